@@ -1,0 +1,122 @@
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/irange.h>
+
+#include <atomic>
+#include <string>
+#include <limits>
+
+namespace speedtorch_ops {
+
+void check_index(const at::Tensor& index, const char* name) {
+  TORCH_CHECK(index.dim() == 1, name, " must be a 1-D tensor of row numbers, got ", index.dim(),
+              "-D with shape ", index.sizes(), "; pass ", name, ".reshape(-1)");
+  TORCH_CHECK(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt, name,
+              " must be int64 or int32, got ", index.scalar_type(), "; pass ", name,
+              ".long()");
+}
+
+void check_table(const at::Tensor& table, const char* name) {
+  TORCH_CHECK(table.dim() >= 1, name, " must have at least one dimension (rows along dim 0)");
+  TORCH_CHECK(table.is_contiguous(), name,
+              " must be contiguous: rows are read in place, so a copy would not be written "
+              "back; pass a contiguous table (e.g. .contiguous() once, before training)");
+}
+
+int64_t row_bytes(const at::Tensor& table) {
+  int64_t elems = 1;
+  for (const auto d : c10::irange(1, table.dim())) elems *= table.size(d);
+  return elems * static_cast<int64_t>(table.element_size());
+}
+
+void check_rows_like(const at::Tensor& rows, const char* name, const at::Tensor& table,
+                     int64_t n, const c10::Device& device) {
+  TORCH_CHECK(rows.device() == device, name, " must be on ", device, ", got ", rows.device());
+  TORCH_CHECK(rows.scalar_type() == table.scalar_type(), name, " must have the table's dtype ",
+              table.scalar_type(), ", got ", rows.scalar_type());
+  std::vector<int64_t> expected{n};
+  for (const auto d : c10::irange(1, table.dim())) expected.push_back(table.size(d));
+  TORCH_CHECK(rows.sizes() == at::IntArrayRef(expected), name, " must have shape ",
+              at::IntArrayRef(expected), " (one row per index, the table's row shape), got ",
+              rows.sizes());
+}
+
+void check_no_overlap(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                      const char* b_name) {
+  if (a.numel() == 0 || b.numel() == 0) return;
+  // Byte span covered by each tensor (conservative for non-contiguous views).
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (const auto d : c10::irange(t.dim())) last += (t.size(d) - 1) * t.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    return std::make_pair(begin, begin + (last + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  TORCH_CHECK(a1 <= b0 || b1 <= a0, a_name, " and ", b_name,
+              " share memory; pass separate tensors (e.g. ", b_name, ".clone())");
+}
+
+void check_index_values(const at::Tensor& index, int64_t rows, const char* name) {
+  const int64_t n = index.numel();
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "check_index_values", [&] {
+    const index_t* idx = index.const_data_ptr<index_t>();
+    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t v = idx[i];
+        if (v < 0 || v >= rows) {
+          int64_t seen = first_bad.load();
+          while (i < seen && !first_bad.compare_exchange_weak(seen, i)) {
+          }
+          return;
+        }
+      }
+    });
+    const int64_t bad = first_bad.load();
+    TORCH_CHECK(bad == std::numeric_limits<int64_t>::max(), name, "[", bad, "] = ",
+                static_cast<int64_t>(idx[bad]), " is out of range for a table of ", rows,
+                " rows; every index must be in [0, ", rows, ")");
+  });
+}
+
+void check_swap_args(at::TensorList stores, at::TensorList batch,
+                     const std::optional<at::Tensor>& writeback_index,
+                     const std::optional<at::Tensor>& load_index,
+                     const c10::Device& batch_device) {
+  const std::pair<const std::optional<at::Tensor>*, const char*> indices[] = {
+      {&writeback_index, "writeback_index"}, {&load_index, "load_index"}};
+  for (const auto& [idx, name] : indices) {
+    if (idx->has_value()) check_index(**idx, name);
+  }
+  TORCH_CHECK(stores.size() == batch.size(), "stores and batch must pair up: got ",
+              stores.size(), " stores and ", batch.size(), " batch tensors");
+  auto named = [](const char* list, size_t k) { return std::string(list) + "[" + std::to_string(k) + "]"; };
+  for (const auto k : c10::irange(stores.size())) {
+    const auto& store = stores[k];
+    const auto& b = batch[k];
+    const auto store_name = named("stores", k);
+    const auto batch_name = named("batch", k);
+    check_table(store, store_name.c_str());
+    TORCH_CHECK(b.dim() >= 1 && b.is_contiguous(), batch_name,
+                " must be a contiguous tensor of batch rows (it is written in place)");
+    check_rows_like(b, batch_name.c_str(), store, b.size(0), batch_device);
+    for (const auto& [idx, name] : indices) {
+      if (!idx->has_value()) continue;
+      TORCH_CHECK((*idx)->numel() == b.size(0), name, " has ", (*idx)->numel(), " entries but ",
+                  batch_name, " has ", b.size(0), " rows; both must equal the batch size");
+      check_no_overlap(b, batch_name.c_str(), **idx, name);
+      check_no_overlap(store, store_name.c_str(), **idx, name);
+    }
+    for (const auto j : c10::irange(stores.size())) {
+      check_no_overlap(b, batch_name.c_str(), stores[j], named("stores", j).c_str());
+      if (j == k) continue;
+      check_no_overlap(b, batch_name.c_str(), batch[j], named("batch", j).c_str());
+      check_no_overlap(store, store_name.c_str(), stores[j], named("stores", j).c_str());
+    }
+  }
+}
+
+}  // namespace speedtorch_ops

@@ -1,0 +1,31 @@
+// CPU optimizer_state_swap: per pair, write the batch rows back, then load the next batch's rows.
+#include "speedtorch_ops/checks.h"
+
+#include <torch/library.h>
+
+namespace speedtorch_ops {
+
+void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
+                              const std::optional<at::Tensor>& writeback_index,
+                              const std::optional<at::Tensor>& load_index) {
+  check_swap_args(stores, batch, writeback_index, load_index, c10::Device(c10::kCPU));
+  const auto wb = writeback_index ? std::optional(writeback_index->contiguous()) : std::nullopt;
+  const auto load = load_index ? std::optional(load_index->contiguous()) : std::nullopt;
+  // Every index value is checked against every store before anything is written.
+  for (const auto& store : stores) {
+    if (wb) check_index_values(*wb, store.size(0), "writeback_index");
+    if (load) check_index_values(*load, store.size(0), "load_index");
+  }
+  for (const auto k : c10::irange(stores.size())) {
+    auto store = stores[k];
+    auto b = batch[k];
+    if (wb) scatter_rows_cpu(store, *wb, b, /*accumulate=*/false);
+    if (load) gather_rows_cpu(store, *load, b);
+  }
+}
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("optimizer_state_swap", &optimizer_state_swap_cpu);
+}
+
+}  // namespace speedtorch_ops

@@ -1,0 +1,61 @@
+// CPU gather: out[i] = table[index[i]] for a CPU table (pinned or not) and a CPU index.
+#include "row_copy.h"
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+namespace speedtorch_ops {
+
+void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out) {
+  const int64_t n = index.numel();
+  const int64_t rb = row_bytes(table);
+  if (n == 0 || rb == 0) return;
+  const char* src = static_cast<const char*>(table.const_data_ptr());
+  char* dst = static_cast<char*>(out.mutable_data_ptr());
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "gather_rows_cpu", [&] {
+    const index_t* idx = index.const_data_ptr<index_t>();
+    // Each output row is written once, so rows split across threads freely (duplicates only
+    // read the same source row twice).
+    at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
+      copy_rows_cpu(dst, src, rb, begin, end,
+                    [&](int64_t i) { return std::pair<int64_t, int64_t>{i, idx[i]}; });
+    });
+  });
+}
+
+static at::Tensor empty_rows(const at::Tensor& table, int64_t n) {
+  auto sizes = table.sizes().vec();
+  sizes[0] = n;
+  return at::empty(sizes, table.options().pinned_memory(false));
+}
+
+at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index) {
+  check_table(table, "table");
+  check_index(index, "index");
+  const auto idx = index.contiguous();
+  check_index_values(idx, table.size(0), "index");
+  auto out = empty_rows(table, idx.numel());
+  gather_rows_cpu(table, idx, out);
+  return out;
+}
+
+void pinned_gather_into_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out) {
+  check_table(table, "table");
+  check_index(index, "index");
+  check_rows_like(out, "out", table, index.numel(), index.device());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous (it is written in place)");
+  check_no_overlap(out, "out", table, "table");
+  check_no_overlap(out, "out", index, "index");
+  const auto idx = index.contiguous();
+  check_index_values(idx, table.size(0), "index");
+  gather_rows_cpu(table, idx, out);
+}
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("pinned_gather", &pinned_gather_cpu);
+  m.impl("pinned_gather_into", &pinned_gather_into_cpu);
+}
+
+}  // namespace speedtorch_ops

@@ -1,0 +1,82 @@
+// CPU scatter: table[index[i]] = src[i] (or +=) for a CPU table and index.
+#include "row_copy.h"
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace speedtorch_ops {
+
+// Duplicate indices must resolve deterministically (the last one wins, or all add up in index
+// order). Instead of sorting, each task owns a contiguous range of table rows and walks the whole
+// index in order, touching only its own rows: no row is written by two threads, and each row
+// sees its updates in index order. Re-reading the index per task is cheap next to moving rows.
+template <typename index_t, typename Visit>
+static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes,
+                           const Visit& visit) {
+  const int64_t parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
+                            ? 1
+                            : std::min<int64_t>(at::get_num_threads(), rows);
+  at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t lo = rows * p_begin / parts;
+    const int64_t hi = rows * p_end / parts;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = idx[i];
+      if (r >= lo && r < hi) visit(i, r);
+    }
+  });
+}
+
+void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                      bool accumulate) {
+  const int64_t n = index.numel();
+  const int64_t rb = row_bytes(table);
+  if (n == 0 || rb == 0) return;
+  const int64_t rows = table.size(0);
+  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "scatter_rows_cpu", [&] {
+    const index_t* idx = index.const_data_ptr<index_t>();
+    if (!accumulate) {
+      char* dst = static_cast<char*>(table.mutable_data_ptr());
+      const char* s = static_cast<const char*>(src.const_data_ptr());
+      for_each_owned(idx, n, rows, rb, [&](int64_t i, int64_t r) {
+        copy_rows_cpu(dst, s, rb, i, i + 1,
+                      [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
+      });
+      return;
+    }
+    AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, table.scalar_type(),
+                               "scatter_rows_cpu_accumulate", [&] {
+      const int64_t width = rb / static_cast<int64_t>(sizeof(scalar_t));
+      scalar_t* dst = table.mutable_data_ptr<scalar_t>();
+      const scalar_t* s = src.const_data_ptr<scalar_t>();
+      for_each_owned(idx, n, rows, rb, [&](int64_t i, int64_t r) {
+        scalar_t* d = dst + r * width;
+        const scalar_t* v = s + i * width;
+        for (int64_t c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(d[c] + v[c]);
+      });
+    });
+  });
+}
+
+void pinned_scatter_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                        bool accumulate) {
+  check_table(table, "table");
+  check_index(index, "index");
+  check_rows_like(src, "src", table, index.numel(), index.device());
+  TORCH_CHECK(!accumulate || !table.is_complex(),
+              "accumulate=True supports real and bool dtypes, got ", table.scalar_type());
+  check_no_overlap(table, "table", src, "src");
+  check_no_overlap(table, "table", index, "index");
+  const auto idx = index.contiguous();
+  check_index_values(idx, table.size(0), "index");
+  scatter_rows_cpu(table, idx, src.contiguous(), accumulate);
+}
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("pinned_scatter", &pinned_scatter_cpu);
+}
+
+}  // namespace speedtorch_ops

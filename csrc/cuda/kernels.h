@@ -1,0 +1,38 @@
+// Launchers of the CUDA kernels. Plain C++ types only, so kernels.cu stays free of torch headers
+// (nvcc is slow; the torch-facing code lives in ops.cpp, built by the host compiler). Each
+// launcher returns cudaGetLastError() of its launch; callers check it with C10_CUDA_CHECK.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace speedtorch_ops::cuda {
+
+// status: 4 int64 on the device, zeroed per call: {bad, argument id, position, value}.
+// Transfer kernels read status[0] first and write nothing when an index was bad.
+constexpr int kStatusWords = 4;
+
+// Flags any idx[i] outside [0, rows) in status (one bad position is reported).
+cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
+                            int64_t* status, cudaStream_t stream);
+
+// For j in [0, n): dst row (dst_idx ? dst_idx[j] : j) = src row (src_idx ? src_idx[j] : j).
+// last_of_run: dst_idx is sorted (stably) and j is skipped when dst_idx[j + 1] == dst_idx[j],
+// so the last duplicate in the caller's order wins. Pointers are device-visible addresses
+// (device memory, or mapped pinned host memory).
+cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
+                             const int64_t* src_idx, int64_t n, int64_t row_bytes,
+                             bool last_of_run, const int64_t* status, int sm_count,
+                             cudaStream_t stream);
+
+// Element types of accumulate.
+enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };
+
+// table[sorted[j]] += src[perm[j]] for runs of equal sorted values, each run added in order
+// (sorted stably, so in the caller's index order): deterministic, like the CPU kernel.
+cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const char* src,
+                                   const int64_t* perm, int64_t n, int64_t row_elems, Elem elem,
+                                   const int64_t* status, int sm_count, cudaStream_t stream);
+
+}  // namespace speedtorch_ops::cuda

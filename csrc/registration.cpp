@@ -1,0 +1,21 @@
+// The one TORCH_LIBRARY block: every schema of speedtorch_ops, with its contract in one line.
+// Kernels register per dispatch key in cpu/*.cpp and cuda/*.cpp; fakes and autograd in ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(speedtorch_ops, m) {
+  // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
+  // table for a CUDA index).
+  m.def("pinned_gather(Tensor table, Tensor index) -> Tensor");
+  // The same into a caller-provided tensor: allocates nothing (training loops, CUDA graphs).
+  m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out) -> ()");
+  // table[index[i]] = src[i] in place (+= with accumulate); the last duplicate wins without it.
+  m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False) -> ()");
+  // For every pair k: write batch[k] to stores[k][writeback_index], then load
+  // stores[k][load_index] into batch[k]. Either index may be None.
+  m.def(
+      "optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
+      "Tensor? load_index) -> ()");
+  // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
+  // when the storage is freed. A helper for pinned stores, not for traced code.
+  m.def("_pin_storage_(Tensor(a!) self) -> ()");
+}

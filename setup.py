@@ -1,0 +1,49 @@
+"""Builds speedtorch_ops._C: the CPU kernels always, the CUDA kernels when torch has CUDA and a
+CUDA toolkit is found (not when a GPU happens to be visible). SPEEDTORCH_OPS_CPU_ONLY=1 forces a
+CPU-only build. Build with `pip install --no-build-isolation -e .` against the installed torch."""
+
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+def with_cuda():
+    if os.environ.get("SPEEDTORCH_OPS_CPU_ONLY", "0") not in ("", "0"):
+        return False
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def extension():
+    cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden"]
+    # Torch passes no-half-operator flags to nvcc; the kernels convert explicitly.
+    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+    include = [os.path.join(HERE, "csrc", "include")]
+    if not with_cuda():
+        return cpp_extension.CppExtension(
+            "speedtorch_ops._C", cpp, include_dirs=include,
+            extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], py_limited_api=False)
+    # Only the architectures we run on: sm_90 (H100) plus PTX, unless the caller says otherwise.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
+    define = ["-DSPEEDTORCH_OPS_WITH_CUDA"]
+    return cpp_extension.CUDAExtension(
+        "speedtorch_ops._C", cpp + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+        include_dirs=include,
+        extra_compile_args={"cxx": cxx + define, "nvcc": nvcc + define},
+        extra_link_args=["-fopenmp"])
+
+
+setup(
+    packages=find_packages(include=["speedtorch_ops", "speedtorch_ops.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)

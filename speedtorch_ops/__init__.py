@@ -1,0 +1,30 @@
+"""speedtorch_ops: zero-copy indexed row transfers between pinned host memory and the GPU.
+
+The ops live in ``torch.ops.speedtorch_ops``; this package holds their typed wrappers and fakes
+(``ops``) and the pinned-memory helpers (``memory``).
+"""
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (loads the library; its TORCH_LIBRARY registers the ops)
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError(
+        f"speedtorch_ops._C could not be loaded with torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda}): {e}. The extension must be built against the installed "
+        "torch: run `pip install --no-build-isolation -e .` in the source tree."
+    ) from e
+
+from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
+from .ops import optimizer_state_swap, pinned_gather, pinned_gather_into, pinned_scatter
+
+__all__ = [
+    "pinned_gather",
+    "pinned_gather_into",
+    "pinned_scatter",
+    "optimizer_state_swap",
+    "empty_pinned",
+    "pin_",
+    "load_npy",
+    "is_zero_copy_usable",
+]

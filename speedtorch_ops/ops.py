@@ -1,0 +1,111 @@
+"""Typed wrappers of the registered ops, their fakes (for torch.compile) and autograd.
+
+Each wrapper is one call of ``torch.ops.speedtorch_ops.<op>.default``: nothing here reads data,
+so the wrappers trace under ``torch.compile(fullgraph=True)``. Argument checks (values, devices,
+pinned memory) happen in C++ before any byte moves.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.speedtorch_ops
+
+
+def pinned_gather(table: Tensor, index: Tensor) -> Tensor:
+    """Rows ``table[index]`` as a new tensor on ``index``'s device.
+
+    ``table``: contiguous, rows along dim 0, any dtype; pinned host memory or a CUDA tensor for a
+    CUDA ``index`` (read in place by one zero-copy kernel), a CPU tensor for a CPU ``index``.
+    ``index``: 1-D int32/int64 with values in ``[0, table.shape[0])``.
+    Differentiable with respect to ``table`` (like ``index_select``).
+    """
+    return _ops.pinned_gather.default(table, index)
+
+
+def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor) -> None:
+    """``out[:] = table[index]`` into a caller-provided contiguous tensor on ``index``'s device.
+
+    Allocates nothing (training loops, CUDA-graph capture). Mutates ``out``; not differentiable.
+    """
+    _ops.pinned_gather_into.default(table, index, out)
+
+
+def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False) -> None:
+    """``table[index[i]] = src[i]`` in place (``+=`` with ``accumulate``).
+
+    ``table`` as for :func:`pinned_gather`; ``src`` has shape ``(len(index), *table.shape[1:])``,
+    the table's dtype, on ``index``'s device. Duplicate indices are deterministic: without
+    ``accumulate`` the last occurrence wins, with it all add up in index order.
+    """
+    _ops.pinned_scatter.default(table, index, src, accumulate)
+
+
+def optimizer_state_swap(
+    stores: Sequence[Tensor],
+    batch: Sequence[Tensor],
+    writeback_index: Optional[Tensor],
+    load_index: Optional[Tensor],
+) -> None:
+    """For every pair ``(stores[k], batch[k])``: write ``batch[k]`` to rows ``writeback_index`` of
+    ``stores[k]``, then load rows ``load_index`` into ``batch[k]``. Either index may be None. A
+    row in both indices is written back before it is loaded. Mutates both lists."""
+    _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index)
+
+
+# ---- fakes: shapes, dtypes and devices only; they read no data -------------------------------
+
+def _check_index_meta(index: Tensor, name: str) -> None:
+    torch._check(index.dim() == 1, lambda: f"{name} must be 1-D")
+    torch._check(index.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32/int64")
+
+
+@torch.library.register_fake("speedtorch_ops::pinned_gather")
+def _pinned_gather_fake(table: Tensor, index: Tensor) -> Tensor:
+    _check_index_meta(index, "index")
+    return table.new_empty((index.shape[0], *table.shape[1:]), device=index.device)
+
+
+@torch.library.register_fake("speedtorch_ops::pinned_gather_into")
+def _pinned_gather_into_fake(table: Tensor, index: Tensor, out: Tensor) -> None:
+    _check_index_meta(index, "index")
+    torch._check(out.shape == (index.shape[0], *table.shape[1:]), lambda: "out has the wrong shape")
+    torch._check(out.dtype == table.dtype, lambda: "out must have the table's dtype")
+
+
+@torch.library.register_fake("speedtorch_ops::pinned_scatter")
+def _pinned_scatter_fake(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False) -> None:
+    _check_index_meta(index, "index")
+    torch._check(src.shape == (index.shape[0], *table.shape[1:]), lambda: "src has the wrong shape")
+    torch._check(src.dtype == table.dtype, lambda: "src must have the table's dtype")
+
+
+@torch.library.register_fake("speedtorch_ops::optimizer_state_swap")
+def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index) -> None:
+    torch._check(len(stores) == len(batch), lambda: "stores and batch must pair up")
+    for store, b in zip(stores, batch):
+        torch._check(b.shape[1:] == store.shape[1:], lambda: "batch rows must match store rows")
+        torch._check(b.dtype == store.dtype, lambda: "batch must have the store's dtype")
+
+
+# ---- autograd: pinned_gather is index_select, so its gradient is an index_add ----------------
+
+def _gather_setup_context(ctx, inputs, output) -> None:
+    table, index = inputs
+    ctx.save_for_backward(index)
+    ctx.table_meta = (table.shape, table.dtype, table.device)
+
+
+def _gather_backward(ctx, grad: Tensor):
+    (index,) = ctx.saved_tensors
+    shape, dtype, device = ctx.table_meta
+    # The gradient lives with the table (host for a host table), like index_select's.
+    grad_table = torch.zeros(shape, dtype=dtype, device=device)
+    grad_table.index_add_(0, index.to(device), grad.to(device))
+    return grad_table, None
+
+
+torch.library.register_autograd(
+    "speedtorch_ops::pinned_gather", _gather_backward, setup_context=_gather_setup_context
+)

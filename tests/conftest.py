@@ -1,0 +1,87 @@
+"""Shared fixtures: where a table lives ("store") and random data of every dtype.
+
+Stores: "cpu" (CPU table, CPU index), "pinned" (pinned host table, CUDA index: the zero-copy
+path) and "cuda" (device table, CUDA index). The last two skip without a GPU and run on the GPU
+machine (bench/gpu_check.sh)."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedtorch_ops
+
+HAS_CUDA = torch.cuda.is_available()
+STORES = ["cpu", "pinned", "cuda"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool]
+# Row shapes: scalar rows, rows that are not a multiple of 16 bytes, wide rows, 2-D rows.
+ROW_SHAPES = [(), (1,), (3,), (5,), (16,), (33,), (128,), (2, 3)]
+
+
+def needs_cuda(store: str) -> None:
+    if store != "cpu" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run bench/gpu_check.sh on the GPU machine)")
+
+
+def index_device(store: str) -> torch.device:
+    return torch.device("cpu") if store == "cpu" else torch.device("cuda")
+
+
+def random_rows(shape, dtype, generator=None) -> torch.Tensor:
+    """Fresh random data, never all zeros."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -100), min(info.max, 100), shape, generator=generator,
+                         dtype=torch.int64).to(dtype)
+
+
+def place(data: torch.Tensor, store: str) -> torch.Tensor:
+    """The table `data` held in `store`."""
+    needs_cuda(store)
+    if store == "cpu":
+        return data.clone()
+    if store == "pinned":
+        table = speedtorch_ops.empty_pinned(data.shape, data.dtype)
+        return table.copy_(data)
+    return data.to("cuda")
+
+
+def random_index(n, rows, dtype=torch.int64, store="cpu", generator=None) -> torch.Tensor:
+    idx = torch.randint(0, rows, (n,), generator=generator, dtype=torch.int64).to(dtype)
+    return idx.to(index_device(store))
+
+
+def last_wins_reference(table: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
+    """table[index[i]] = src[i] where, for duplicates, the last occurrence wins (plain NumPy)."""
+    ref = table.cpu().clone()
+    idx = index.cpu().long().numpy()
+    rev = idx[::-1]
+    rows, first_in_rev = np.unique(rev, return_index=True)
+    last = len(idx) - 1 - first_in_rev
+    ref[torch.from_numpy(rows)] = src.cpu()[torch.from_numpy(last)]
+    return ref
+
+
+def sequential_add_reference(table: torch.Tensor, index: torch.Tensor, src: torch.Tensor):
+    """table[index[i]] += src[i] one index at a time, in index order, in the table's dtype."""
+    ref = table.cpu().clone()
+    s = src.cpu()
+    for i, r in enumerate(index.cpu().long().tolist()):
+        if ref.dtype == torch.bool:
+            ref[r] = ref[r] | s[i]
+        else:
+            ref[r] = ref[r] + s[i]
+    return ref
+
+
+@pytest.fixture
+def gen():
+    """A generator seeded fresh per test from the global RNG (random data every run; the seed is
+    printed on failure by the assertion messages of the tests that use it)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    g.seed_value = seed
+    return g
