@@ -2,7 +2,6 @@
 full-size copy, and costing the table's bytes (torch's pinned allocator rounds large blocks up to
 a power of two, so a 5 GiB table would hold 8 GiB)."""
 
-import math
 from typing import Sequence, Union
 
 import numpy as np
@@ -31,18 +30,17 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
 def load_npy(path: str, pin: bool = True, chunk_bytes: int = 256 << 20) -> Tensor:
     """Load a ``.npy`` file straight into a (pinned) table: the file is memory-mapped and copied
     in chunks, so the host never holds a second full copy."""
-    src = np.load(path, mmap_mode="r")
-    if src.dtype.byteorder == ">":
-        raise ValueError(f"load_npy: {path} is big-endian; convert it to little-endian first")
-    table = empty_pinned(src.shape, torch.from_numpy(np.empty(0, dtype=src.dtype)).dtype, pin=pin)
-    rows = src.shape[0] if src.ndim else 1
-    row_bytes = max(1, src.itemsize * (math.prod(src.shape[1:]) if src.ndim > 1 else 1))
-    step = max(1, chunk_bytes // row_bytes)
-    flat_dst = table.view(rows, -1) if src.ndim else table.view(1, 1)
-    flat_src = src.reshape(rows, -1) if src.ndim else src.reshape(1, 1)
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        flat_dst[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(flat_src[start:stop])))
+    # Copy-on-write mapping: writable for torch.from_numpy, and nothing is ever written to it.
+    src = np.load(path, mmap_mode="c")
+    if src.dtype.byteorder == ">" or not src.flags.c_contiguous:
+        raise ValueError(f"load_npy: {path} must hold a little-endian, C-ordered array; re-save it "
+                         "with np.save(path, np.ascontiguousarray(a, dtype=a.dtype.newbyteorder('<')))")
+    dtype = torch.from_numpy(np.empty(0, dtype=src.dtype)).dtype
+    table = empty_pinned(src.shape, dtype, pin=pin)
+    flat_src, flat_dst = src.reshape(-1), table.view(-1)
+    step = max(1, chunk_bytes // src.itemsize)
+    for start in range(0, flat_src.size, step):
+        flat_dst[start:start + step].copy_(torch.from_numpy(flat_src[start:start + step]))
     return table
 
 

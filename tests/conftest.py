@@ -4,6 +4,8 @@ Stores: "cpu" (CPU table, CPU index), "pinned" (pinned host table, CUDA index: t
 path) and "cuda" (device table, CUDA index). The last two skip without a GPU and run on the GPU
 machine (bench/gpu_check.sh)."""
 
+import secrets
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,7 @@ def needs_cuda(store: str) -> None:
 
 
 def index_device(store: str) -> torch.device:
+    needs_cuda(store)
     return torch.device("cpu") if store == "cpu" else torch.device("cuda")
 
 
@@ -79,9 +82,6 @@ def sequential_add_reference(table: torch.Tensor, index: torch.Tensor, src: torc
 
 @pytest.fixture
 def gen():
-    """A generator seeded fresh per test from the global RNG (random data every run; the seed is
-    printed on failure by the assertion messages of the tests that use it)."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    g = torch.Generator().manual_seed(seed)
-    g.seed_value = seed
-    return g
+    """A generator with a fresh seed per test (new random data every run); tests print
+    gen.initial_seed() in their assertion messages so a failure can be replayed."""
+    return torch.Generator().manual_seed(secrets.randbelow(2**62))

@@ -1,0 +1,159 @@
+"""Every bad-input class raises a RuntimeError naming the argument, and writes nothing: the
+table is bit-for-bit unchanged and the next valid call works (on CUDA: the context too)."""
+
+import pytest
+import torch
+
+import speedtorch_ops
+from conftest import STORES, index_device, needs_cuda, place, random_index, random_rows
+
+ROWS = 20
+
+
+def _setup(store, gen):
+    data = random_rows((ROWS, 4), torch.float32, gen)
+    table = place(data, store)
+    return data, table, index_device(store)
+
+
+def _bad_indices(dev):
+    ok = [1, 3, 5]
+    return {
+        "out of range": (torch.tensor(ok + [ROWS], device=dev), r"index\[3\] = 20 is out of range"),
+        "far out of range": (torch.tensor([2**40] + ok, device=dev), "out of range"),
+        "negative": (torch.tensor(ok + [-1], device=dev), r"= -1 is out of range"),
+        "float": (torch.tensor([1.0, 2.0], device=dev), "index must be int64 or int32"),
+        "2-D": (torch.tensor([[1, 2]], device=dev), "index must be a 1-D tensor"),
+    }
+
+
+def _valid_call_still_works(table, data, dev):
+    idx = torch.tensor([0, ROWS - 1], device=dev)
+    assert torch.equal(speedtorch_ops.pinned_gather(table, idx).cpu(), data[[0, ROWS - 1]])
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("case", ["out of range", "far out of range", "negative", "float", "2-D"])
+def test_bad_index_writes_nothing(store, case, gen):
+    data, table, dev = _setup(store, gen)
+    index, message = _bad_indices(dev)[case]
+    n = index.numel()
+    src = random_rows((n, 4), torch.float32, gen).to(dev)
+    with pytest.raises(RuntimeError, match=message):
+        speedtorch_ops.pinned_gather(table, index)
+    out = torch.full((n, 4), 3.0, device=dev)
+    with pytest.raises(RuntimeError, match=message):
+        speedtorch_ops.pinned_gather_into(table, index, out)
+    if index.dim() == 1:
+        assert torch.equal(out.cpu(), torch.full((n, 4), 3.0)), "out was written"
+    for accumulate in (False, True):
+        with pytest.raises(RuntimeError, match=message):
+            speedtorch_ops.pinned_scatter(table, index, src, accumulate)
+        assert torch.equal(table.cpu(), data), "table was written"
+    _valid_call_still_works(table, data, dev)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_swap_bad_index_writes_nothing(store, gen):
+    data, table, dev = _setup(store, gen)
+    other_data = random_rows((ROWS, 4), torch.float32, gen)
+    other = place(other_data, store)
+    batch = [random_rows((3, 4), torch.float32, gen).to(dev) for _ in range(2)]
+    before = [b.clone() for b in batch]
+    good = torch.tensor([1, 2, 3], device=dev)
+    bad = torch.tensor([4, ROWS + 5, 6], device=dev)
+    with pytest.raises(RuntimeError, match=r"load_index\[1\] = 25 is out of range"):
+        speedtorch_ops.optimizer_state_swap([table, other], batch, good, bad)
+    with pytest.raises(RuntimeError, match=r"writeback_index\[1\] = 25 is out of range"):
+        speedtorch_ops.optimizer_state_swap([table, other], batch, bad, good)
+    assert torch.equal(table.cpu(), data) and torch.equal(other.cpu(), other_data)
+    assert all(torch.equal(b, p) for b, p in zip(batch, before)), "batch was written"
+    _valid_call_still_works(table, data, dev)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_shape_and_dtype_mismatch(store, gen):
+    data, table, dev = _setup(store, gen)
+    index = torch.tensor([1, 2, 3], device=dev)
+    cases = [
+        (random_rows((3, 5), torch.float32, gen), r"src must have shape \[3, 4\]"),
+        (random_rows((2, 4), torch.float32, gen), r"src must have shape \[3, 4\]"),
+        (random_rows((3, 4), torch.float64, gen), "src must have the table's dtype Float"),
+    ]
+    for src, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            speedtorch_ops.pinned_scatter(table, index, src.to(dev))
+        with pytest.raises(RuntimeError, match=message.replace("src", "out")):
+            speedtorch_ops.pinned_gather_into(table, index, src.to(dev))
+    assert torch.equal(table.cpu(), data)
+    with pytest.raises(RuntimeError, match=r"batch\[0\] must have shape"):
+        speedtorch_ops.optimizer_state_swap([table], [torch.zeros(3, 5, device=dev)], index, None)
+    with pytest.raises(RuntimeError, match="load_index has 3 entries but batch"):
+        speedtorch_ops.optimizer_state_swap([table], [torch.zeros(2, 4, device=dev)], None, index)
+    with pytest.raises(RuntimeError, match="stores and batch must pair up"):
+        speedtorch_ops.optimizer_state_swap([table], [], None, index)
+    assert torch.equal(table.cpu(), data)
+    _valid_call_still_works(table, data, dev)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_aliasing_src_out_and_table(store, gen):
+    data, table, dev = _setup(store, gen)
+    index = torch.tensor([4, 5], device=dev)
+    if store == "cpu":  # a view of the table itself
+        view = table[10:12]
+        with pytest.raises(RuntimeError, match="table and src share memory"):
+            speedtorch_ops.pinned_scatter(table, index, view)
+        with pytest.raises(RuntimeError, match="out and table share memory"):
+            speedtorch_ops.pinned_gather_into(table, index, view)
+        with pytest.raises(RuntimeError, match=r"batch\[0\] and stores\[0\] share memory"):
+            speedtorch_ops.optimizer_state_swap([table], [view], index, index)
+    if store == "cuda":
+        view = table[10:12]
+        with pytest.raises(RuntimeError, match="table and src share memory"):
+            speedtorch_ops.pinned_scatter(table, index, view)
+        with pytest.raises(RuntimeError, match="out and table share memory"):
+            speedtorch_ops.pinned_gather_into(table, index, view)
+    b = torch.zeros(2, 4, device=dev)
+    with pytest.raises(RuntimeError, match=r"batch\[0\] and batch\[1\] share memory"):
+        speedtorch_ops.optimizer_state_swap([table, table.clone()], [b, b], None, index)
+    assert torch.equal(table.cpu(), data)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_non_contiguous_table_is_refused(store, gen):
+    needs_cuda(store)
+    dev = index_device(store)
+    wide = random_rows((ROWS, 8), torch.float32, gen).to("cpu" if store != "cuda" else "cuda")
+    view = wide[:, ::2]
+    before = wide.clone()
+    with pytest.raises(RuntimeError, match="table must be contiguous"):
+        speedtorch_ops.pinned_gather(view, torch.tensor([1], device=dev))
+    with pytest.raises(RuntimeError, match="table must be contiguous"):
+        speedtorch_ops.pinned_scatter(view, torch.tensor([1], device=dev),
+                                      torch.zeros(1, 4, device=dev))
+    assert torch.equal(wide, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_wrong_devices_and_pageable_tables(gen):
+    data = random_rows((ROWS, 4), torch.float32, gen)
+    pageable = data.clone()
+    cuda_idx = torch.tensor([1, 2], device="cuda")
+    with pytest.raises(RuntimeError, match="table is in pageable host memory"):
+        speedtorch_ops.pinned_gather(pageable, cuda_idx)
+    with pytest.raises(RuntimeError, match="table is in pageable host memory"):
+        speedtorch_ops.pinned_scatter(pageable, cuda_idx, torch.ones(2, 4, device="cuda"))
+    assert torch.equal(pageable, data)
+    on_gpu = data.cuda()
+    with pytest.raises(RuntimeError, match="index is on cpu but table is on the GPU"):
+        speedtorch_ops.pinned_gather(on_gpu, torch.tensor([1, 2]))
+    pinned = place(data, "pinned")
+    with pytest.raises(RuntimeError, match="src must be on cuda:0"):
+        speedtorch_ops.pinned_scatter(pinned, cuda_idx, torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="out must be on cuda:0"):
+        speedtorch_ops.pinned_gather_into(pinned, cuda_idx, torch.ones(2, 4))
+    assert torch.equal(pinned, data)
+    # After all of the above the CUDA context still works.
+    assert torch.equal(speedtorch_ops.pinned_gather(pinned, cuda_idx).cpu(), data[[1, 2]])
+    torch.cuda.synchronize()

@@ -1,0 +1,46 @@
+"""torch.library.opcheck (schema, fake, autograd registration, AOT dispatch) for every op."""
+
+import pytest
+import torch
+
+from conftest import STORES, index_device, place, random_index, random_rows
+
+ops = torch.ops.speedtorch_ops
+
+
+def _samples(store, gen):
+    dev = index_device(store)
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        table = place(random_rows((37, 5), dtype, gen), store)
+        for index_dtype in (torch.int64, torch.int32):
+            index = random_index(19, 37, index_dtype, store, gen)
+            src = random_rows((19, 5), dtype, gen).to(dev)
+            yield table, index, src
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_opcheck_pinned_gather(store, gen):
+    for table, index, src in _samples(store, gen):
+        torch.library.opcheck(ops.pinned_gather.default, (table, index))
+        torch.library.opcheck(ops.pinned_gather_into.default, (table, index, torch.empty_like(src)))
+    table = place(random_rows((37, 5), torch.float64, gen), store).requires_grad_()
+    torch.library.opcheck(ops.pinned_gather.default,
+                          (table, random_index(7, 37, torch.int64, store, gen)))
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_opcheck_pinned_scatter(store, gen):
+    for table, index, src in _samples(store, gen):
+        for accumulate in (False, True):
+            torch.library.opcheck(ops.pinned_scatter.default, (table, index, src, accumulate))
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_opcheck_optimizer_state_swap(store, gen):
+    dev = index_device(store)
+    stores = [place(random_rows((30, 4), torch.float32, gen), store) for _ in range(3)]
+    batch = [random_rows((8, 4), torch.float32, gen).to(dev) for _ in range(3)]
+    wb = random_index(8, 30, torch.int64, store, gen)
+    load = random_index(8, 30, torch.int64, store, gen)
+    for args in ((wb, load), (None, load), (wb, None)):
+        torch.library.opcheck(ops.optimizer_state_swap.default, (stores, batch, *args))

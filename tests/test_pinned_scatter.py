@@ -1,0 +1,87 @@
+"""pinned_scatter against independent references: NumPy last-wins, sequential accumulate."""
+
+import pytest
+import torch
+
+import speedtorch_ops
+from conftest import (DTYPES, ROW_SHAPES, STORES, last_wins_reference, place, random_index,
+                      random_rows, sequential_add_reference)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_scatter_last_duplicate_wins(store, dtype, index_dtype, gen):
+    data = random_rows((53, 6), dtype, gen)
+    table = place(data, store)
+    index = random_index(120, 53, index_dtype, store, gen)  # duplicates certain
+    src = random_rows((120, 6), dtype, gen).to(index.device)
+    speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src)), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_accumulate_adds_every_duplicate(store, dtype, gen):
+    data = random_rows((23, 5), dtype, gen)
+    table = place(data, store)
+    index = random_index(70, 23, torch.int64, store, gen)
+    src = random_rows((70, 5), dtype, gen).to(index.device)
+    speedtorch_ops.pinned_scatter(table, index, src, accumulate=True)
+    # Same order of additions as the reference, so the same bits, on both devices.
+    assert torch.equal(table.cpu(), sequential_add_reference(data, index, src)), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_scatter_accumulate_float64_reference(store, gen):
+    data = random_rows((31, 8), torch.float32, gen)
+    table = place(data, store)
+    index = random_index(200, 31, torch.int64, store, gen)
+    src = random_rows((200, 8), torch.float32, gen).to(index.device)
+    speedtorch_ops.pinned_scatter(table, index, src, accumulate=True)
+    ref = data.double().index_add_(0, index.cpu(), src.cpu().double())
+    assert torch.allclose(table.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("row_shape", ROW_SHAPES)
+def test_scatter_row_shapes(store, row_shape, gen):
+    for dtype in (torch.float32, torch.uint8, torch.float64):
+        data = random_rows((29, *row_shape), dtype, gen)
+        table = place(data, store)
+        index = random_index(40, 29, torch.int64, store, gen)
+        src = random_rows((40, *row_shape), dtype, gen).to(index.device)
+        speedtorch_ops.pinned_scatter(table, index, src)
+        assert torch.equal(table.cpu(), last_wins_reference(data, index, src)), f"{dtype}"
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_scatter_large_batch_parallel_path(store, gen):
+    # Big enough for the CPU kernel to split the table between threads.
+    data = random_rows((5000, 64), torch.float32, gen)
+    table = place(data, store)
+    index = random_index(20000, 5000, torch.int64, store, gen)
+    src = random_rows((20000, 64), torch.float32, gen).to(index.device)
+    speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
+    table2 = place(data, store)
+    speedtorch_ops.pinned_scatter(table2, index, src, accumulate=True)
+    ref = data.double().index_add_(0, index.cpu(), src.cpu().double())
+    assert torch.allclose(table2.cpu().double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_scatter_empty_index_and_non_contiguous_src(store, gen):
+    data = random_rows((10, 4), torch.float32, gen)
+    table = place(data, store)
+    dev = "cpu" if store == "cpu" else "cuda"
+    speedtorch_ops.pinned_scatter(table, torch.empty(0, dtype=torch.int64, device=dev),
+                                  torch.empty(0, 4, device=dev))
+    assert torch.equal(table.cpu(), data)
+    index = torch.tensor([7, 2, 9], device=dev)
+    src = random_rows((4, 3), torch.float32, gen).to(dev).t()  # (3, 4), non-contiguous
+    assert not src.is_contiguous()
+    speedtorch_ops.pinned_scatter(table, index, src)
+    ref = data.clone()
+    ref[index.cpu()] = src.cpu()
+    assert torch.equal(table.cpu(), ref)
