@@ -24,7 +24,7 @@ def with_cuda():
 
 def extension():
     cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden"]
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
     # Torch passes no-half-operator flags to nvcc; the kernels convert explicitly.
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
     include = [os.path.join(HERE, "csrc", "include")]
