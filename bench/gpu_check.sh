@@ -16,7 +16,12 @@ export PYTHONUNBUFFERED=1
   nvcc --version | tail -1
 } | tee "$OUT/env.txt"
 start=$(date +%s)
+# The GPU image sets CXX=/opt/gcc/bin/g++, a toolchain that links libstdc++ statically: an
+# extension built with it gets its own copy of libstdc++ and crashes formatting an error message
+# (seen 2026-11-22). Build with the system compiler, which links libstdc++ like torch does.
+export CC=${SPEEDTORCH_OPS_CC:-gcc} CXX=${SPEEDTORCH_OPS_CXX:-g++}
 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 ||
   "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+ldd speedtorch_ops/_C*.so | grep -q libstdc++ || { echo "_C links libstdc++ statically: set CXX"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 "$PY" -m pytest -q -rs -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest.log"
