@@ -189,11 +189,14 @@ void pinned_scatter_cuda(at::Tensor& table, const at::Tensor& index, const at::T
 void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
                                const std::optional<at::Tensor>& writeback_index,
                                const std::optional<at::Tensor>& load_index) {
-  TORCH_CHECK(!batch.empty(), "batch must hold at least one tensor");
-  const auto device = batch[0].device();
+  // The rows go where the batch lives (or, with no batch, where an index lives).
+  const auto device = !batch.empty()    ? batch[0].device()
+                      : load_index      ? load_index->device()
+                      : writeback_index ? writeback_index->device()
+                                        : stores[0].device();
+  check_swap_args(stores, batch, writeback_index, load_index, device);
   TORCH_CHECK(device.is_cuda(), "batch[0] is on ", device, "; with CUDA stores or indices the "
               "batch tensors must be on the GPU");
-  check_swap_args(stores, batch, writeback_index, load_index, device);
   if (writeback_index) check_cuda_index(*writeback_index, "writeback_index", device);
   if (load_index) check_cuda_index(*load_index, "load_index", device);
   c10::cuda::CUDAGuard guard(device);
