@@ -1,0 +1,133 @@
+// The CPU kernels called directly and through the dispatcher, against plain ATen indexing on
+// fresh random data, plus the error cases (nothing written when a call fails).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <catch2/catch.hpp>
+
+#include <random>
+
+#include "speedtorch_ops/checks.h"
+
+namespace {
+
+at::Generator fresh_generator() {
+  return at::make_generator<at::CPUGeneratorImpl>(std::random_device{}());
+}
+
+at::Tensor random_index(int64_t n, int64_t rows, at::ScalarType dtype, at::Generator& g) {
+  return at::randint(0, rows, {n}, g, at::kLong).to(dtype);
+}
+
+// Last occurrence wins, computed with a plain sequential loop.
+at::Tensor last_wins(const at::Tensor& table, const at::Tensor& index, const at::Tensor& src) {
+  auto ref = table.clone();
+  const auto idx = index.to(at::kLong);
+  for (int64_t i = 0; i < idx.numel(); ++i) ref[idx[i].item<int64_t>()].copy_(src[i]);
+  return ref;
+}
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+}  // namespace
+
+TEST_CASE("gather_rows_cpu matches index_select for every dtype and index type") {
+  auto g = fresh_generator();
+  for (auto dtype : {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kChar, at::kInt,
+                     at::kLong, at::kBool}) {
+    for (auto index_dtype : {at::kLong, at::kInt}) {
+      const auto table = at::randn({97, 3, 5}, g).mul(10).to(dtype);
+      const auto index = random_index(300, 97, index_dtype, g);
+      auto out = at::empty({300, 3, 5}, table.options());
+      speedtorch_ops::gather_rows_cpu(table, index, out);
+      REQUIRE(at::equal(out, table.index_select(0, index)));
+    }
+  }
+}
+
+TEST_CASE("pinned_gather through the dispatcher, including empty and one-row tables") {
+  auto g = fresh_generator();
+  auto gather = op("speedtorch_ops::pinned_gather").typed<at::Tensor(const at::Tensor&,
+                                                                       const at::Tensor&)>();
+  const auto table = at::randn({41, 7}, g);
+  const auto index = random_index(64, 41, at::kLong, g);
+  REQUIRE(at::equal(gather.call(table, index), table.index_select(0, index)));
+  REQUIRE(gather.call(table, at::empty({0}, at::kLong)).sizes() == at::IntArrayRef({0, 7}));
+  const auto one = at::randn({1, 3}, g);
+  REQUIRE(at::equal(gather.call(one, at::zeros({5}, at::kLong)), one.expand({5, 3})));
+}
+
+TEST_CASE("pinned_scatter: last duplicate wins; accumulate adds all in index order") {
+  auto g = fresh_generator();
+  auto scatter = op("speedtorch_ops::pinned_scatter")
+                     .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  // Big enough that the kernel splits the table between threads.
+  const auto data = at::randn({3000, 33}, g);
+  const auto index = random_index(9000, 3000, at::kInt, g);
+  const auto src = at::randn({9000, 33}, g);
+  auto table = data.clone();
+  scatter.call(table, index, src, false);
+  REQUIRE(at::equal(table, last_wins(data, index, src)));
+
+  auto summed = data.clone();
+  scatter.call(summed, index, src, true);
+  const auto ref = data.to(at::kDouble).index_add(0, index.to(at::kLong), src.to(at::kDouble));
+  REQUIRE(at::allclose(summed.to(at::kDouble), ref, 1e-5, 1e-4));
+}
+
+TEST_CASE("optimizer_state_swap writes back before it loads, for every pair") {
+  auto g = fresh_generator();
+  std::vector<at::Tensor> data, stores, batch, written;
+  for (int k = 0; k < 3; ++k) {
+    data.push_back(at::randn({50, 4}, g));
+    stores.push_back(data.back().clone());
+    batch.push_back(at::randn({16, 4}, g));
+    written.push_back(batch.back().clone());
+  }
+  const auto wb = random_index(16, 50, at::kLong, g);
+  const auto load = at::cat({wb.slice(0, 0, 4), random_index(12, 50, at::kLong, g)});
+  speedtorch_ops::optimizer_state_swap_cpu(stores, batch, wb, load);
+  for (int k = 0; k < 3; ++k) {
+    const auto ref = last_wins(data[k], wb, written[k]);
+    REQUIRE(at::equal(stores[k], ref));
+    REQUIRE(at::equal(batch[k], ref.index_select(0, load)));
+  }
+}
+
+TEST_CASE("bad input raises, names the argument, and writes nothing") {
+  auto g = fresh_generator();
+  const auto data = at::randn({20, 4}, g);
+  auto table = data.clone();
+  const auto src = at::randn({3, 4}, g);
+  const auto bad = at::tensor(std::vector<int64_t>{1, 20, 2});
+  const auto negative = at::tensor(std::vector<int64_t>{1, 2, -1});
+
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_scatter_cpu(table, bad, src, false),
+                      Catch::Contains("index[1] = 20 is out of range for a table of 20 rows"));
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_scatter_cpu(table, negative, src, true),
+                      Catch::Contains("index[2] = -1 is out of range"));
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_gather_cpu(table, bad.to(at::kFloat)),
+                      Catch::Contains("index must be int64 or int32"));
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_gather_cpu(table, bad.view({3, 1})),
+                      Catch::Contains("index must be a 1-D tensor"));
+  auto wrong_shape = at::randn({3, 5}, g);
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_scatter_cpu(table, bad.clamp(0, 19), wrong_shape, false),
+                      Catch::Contains("src must have shape [3, 4]"));
+  auto view = table.slice(0, 5, 8);
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_scatter_cpu(table, bad.clamp(0, 19), view, false),
+                      Catch::Contains("table and src share memory"));
+  auto wide = at::randn({20, 8}, g);
+  auto strided = wide.slice(1, 0, 8, 2);
+  REQUIRE_THROWS_WITH(speedtorch_ops::pinned_gather_cpu(strided, bad.clamp(0, 19)),
+                      Catch::Contains("table must be contiguous"));
+  std::vector<at::Tensor> stores{table}, batch{at::randn({3, 4}, g)};
+  const auto batch_before = batch[0].clone();
+  REQUIRE_THROWS_WITH(speedtorch_ops::optimizer_state_swap_cpu(stores, batch, bad.clamp(0, 19), bad),
+                      Catch::Contains("load_index[1] = 20 is out of range"));
+  REQUIRE(at::equal(table, data));
+  REQUIRE(at::equal(batch[0], batch_before));
+  // The next valid call works.
+  REQUIRE(at::equal(speedtorch_ops::pinned_gather_cpu(table, bad.clamp(0, 19)),
+                    data.index_select(0, bad.clamp(0, 19))));
+}
