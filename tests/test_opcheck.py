@@ -1,22 +1,51 @@
 """torch.library.opcheck (schema, fake, autograd registration, AOT dispatch) for every op."""
 
+import contextlib
+
 import pytest
 import torch
+
+import speedtorch_ops
 
 from conftest import STORES, index_device, place, random_index, random_rows
 
 ops = torch.ops.speedtorch_ops
 
 
+@contextlib.contextmanager
+def _deepcopy_keeps_pinning():
+    """opcheck runs the op on deep copies of its arguments, and torch's deep copy of a pinned
+    tensor is pageable, which the zero-copy path rightly refuses. For the pinned store the copies
+    are pinned in place, so opcheck sees the op as users call it."""
+    original = torch.Tensor.__deepcopy__
+
+    def deepcopy(self, memo):
+        out = original(self, memo)
+        if self.device.type == "cpu" and self.is_pinned() and not out.is_pinned():
+            speedtorch_ops.pin_(out)
+        return out
+
+    torch.Tensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        torch.Tensor.__deepcopy__ = original
+
+
 def opcheck(op, args, store):
-    """opcheck with every default test util. For a pinned store, test_schema and
-    test_aot_dispatch_dynamic run the op on deep copies of the arguments, and a copy of a pinned
-    table is pageable, which the zero-copy path rightly refuses; the schema and AOT dispatch of
-    the same op are checked with the cpu and cuda stores, so pinned runs the other two."""
-    if store == "pinned":
-        torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_autograd_registration"))
-    else:
+    """opcheck with every default test util. One exception: test_aot_dispatch_dynamic of a
+    mutating op on a pinned table, which runs the op on a functionalized clone of the table (a
+    pageable copy of it, and a full-size one); under torch.compile Inductor re-inplaces the
+    mutation instead (tests/test_compile.py), and the cpu and cuda stores run that util."""
+    mutates = op._schema.is_mutable
+    if store != "pinned":
         torch.library.opcheck(op, args)
+        return
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    if not mutates:
+        utils += ("test_aot_dispatch_dynamic",)
+    with _deepcopy_keeps_pinning():
+        torch.library.opcheck(op, args, test_utils=utils)
 
 
 def _samples(store, gen):
