@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import speedtorch_ops
+from torch.testing._internal.optests import generate_tests
 
 from conftest import STORES, index_device, place, random_index, random_rows
 
@@ -13,39 +14,36 @@ ops = torch.ops.speedtorch_ops
 
 
 @contextlib.contextmanager
-def _deepcopy_keeps_pinning():
-    """opcheck runs the op on deep copies of its arguments, and torch's deep copy of a pinned
-    tensor is pageable, which the zero-copy path rightly refuses. For the pinned store the copies
-    are pinned in place, so opcheck sees the op as users call it."""
-    original = torch.Tensor.__deepcopy__
+def _copies_stay_pinned():
+    """opcheck runs the op on copies of its arguments (generate_tests.clone_input), and a copy
+    of a pinned tensor is pageable, which the zero-copy path rightly refuses. For the pinned store
+    the copies are pinned in place, so opcheck sees the op as users call it."""
+    original = generate_tests.clone_input
 
-    def deepcopy(self, memo):
-        out = original(self, memo)
-        if self.device.type == "cpu" and self.is_pinned() and not out.is_pinned():
+    def clone_input(x, *args, **kwargs):
+        out = original(x, *args, **kwargs)
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.is_pinned():
             speedtorch_ops.pin_(out)
         return out
 
-    torch.Tensor.__deepcopy__ = deepcopy
+    generate_tests.clone_input = clone_input
     try:
         yield
     finally:
-        torch.Tensor.__deepcopy__ = original
+        generate_tests.clone_input = original
 
 
 def opcheck(op, args, store):
-    """opcheck with every default test util. One exception: test_aot_dispatch_dynamic of a
-    mutating op on a pinned table, which runs the op on a functionalized clone of the table (a
-    pageable copy of it, and a full-size one); under torch.compile Inductor re-inplaces the
-    mutation instead (tests/test_compile.py), and the cpu and cuda stores run that util."""
-    mutates = op._schema.is_mutable
+    """opcheck with every default test util, except test_aot_dispatch_dynamic on a pinned store:
+    it always runs the op on torch.clone() copies of the arguments (pageable, and full-size
+    copies of the table). The cpu and cuda stores run it for the same op; torch.compile of the
+    pinned store is covered in tests/test_compile.py."""
     if store != "pinned":
         torch.library.opcheck(op, args)
         return
-    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    if not mutates:
-        utils += ("test_aot_dispatch_dynamic",)
-    with _deepcopy_keeps_pinning():
-        torch.library.opcheck(op, args, test_utils=utils)
+    with _copies_stay_pinned():
+        torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _samples(store, gen):
