@@ -17,6 +17,11 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
 from .ops import optimizer_state_swap, pinned_gather, pinned_gather_into, pinned_scatter
+from .factories import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
+                        CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
+                        GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                        ModelFactoryMM, OptimizerFactory, OptimizerFactoryMM, PytorchCOM,
+                        PytorchModelFactory, PytorchOptimizerFactory)
 
 __all__ = [
     "pinned_gather",
@@ -27,4 +32,9 @@ __all__ = [
     "pin_",
     "load_npy",
     "is_zero_copy_usable",
+    "ModelFactory", "OptimizerFactory", "COM", "DataGadget",
+    "ModelFactoryMM", "OptimizerFactoryMM", "COMMM", "DataGadgetMM",
+    "GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "GPUPytorchCOM",
+    "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory", "CPUPytorchCOM",
+    "PytorchModelFactory", "PytorchOptimizerFactory", "PytorchCOM",
 ]

@@ -1,0 +1,252 @@
+"""Machinery shared by the SpeedTorch-compatible classes: where a store lives, how a batch's ids
+become an index, and how rows move between a store and the batch tensors (only through the ops).
+
+Duplicate ids in a batch (the rule the factories document): slot i of the batch-sized weight holds
+row ids[i]. A gradient hook sums the gradients of all slots of a row into the row's first slot
+(its "owner") and zeroes the others; at write-back every slot of a row writes the owner's values,
+for the weight and for every optimizer state tensor. So each row is updated once, with the sum of
+its gradients: the same as training the full table on the batch (lazily: rows outside the batch
+and their state do not change).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _get_scalar_dtype
+
+from . import ops
+from .memory import empty_pinned
+
+DTypeLike = Union[str, torch.dtype, np.dtype, type]
+
+
+def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
+    """'float32', np.float32, np.dtype('float32') or torch.float32 -> torch.float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; pass e.g. 'float32' or torch.float32")
+    return resolved
+
+
+def cuda_or_raise(what: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} keeps its table in GPU memory, but no CUDA device is available; "
+                           "use a pinned/CPU store instead (e.g. CPUPinn=True)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def allocate(shape: Sequence[int], dtype: torch.dtype, placement: str) -> Tensor:
+    """Zeros of `shape` in "pinned" host memory (ordinary host memory when no GPU exists: there is
+    nothing to pin for), "cpu" memory, or "cuda" memory."""
+    if placement == "cuda":
+        return torch.zeros(shape, dtype=dtype, device=cuda_or_raise("this store"))
+    if placement == "pinned":
+        return empty_pinned(shape, dtype, pin=torch.cuda.is_available()).zero_()
+    if placement == "cpu":
+        return torch.zeros(shape, dtype=dtype)
+    raise ValueError(f"unknown placement {placement!r}")
+
+
+def mmap_npy(path: str, shape: Sequence[int], dtype: torch.dtype, pin: bool) -> Tensor:
+    """A table backed by a memory-mapped .npy file: writes to the tensor reach the file."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=np_dtype, shape=tuple(shape))
+    table = torch.from_numpy(array)
+    if pin and torch.cuda.is_available():
+        try:
+            torch.ops.speedtorch_ops._pin_storage_.default(table)
+        except RuntimeError:
+            pass  # some file systems cannot be page-locked: the CPU path reads it instead
+    table._speedtorch_mmap = array  # keeps the mapping alive as long as the tensor
+    return table
+
+
+def next_free_name(stem: str, suffix: str) -> str:
+    """`{stem}{n}{suffix}` for the first n not yet on disk (SpeedTorch's MM naming)."""
+    n = 0
+    while os.path.exists(f"{stem}{n}{suffix}"):
+        n += 1
+    return f"{stem}{n}{suffix}"
+
+
+def reshaped_retrieval(pos, neg=None):
+    """SpeedTorch's index order: positives flattened (C order), then negatives flattened."""
+    if neg is None:
+        return pos.reshape(-1)
+    if isinstance(pos, Tensor) or isinstance(neg, Tensor):
+        return torch.cat([torch.as_tensor(pos).reshape(-1), torch.as_tensor(neg).reshape(-1)])
+    return np.concatenate([np.asarray(pos).reshape(-1), np.asarray(neg).reshape(-1)])
+
+
+def variable_transformer(batchSize, posPerBatch, negPerBatch=None):
+    """Slot numbers for the model's inputs: slot i of the batch-sized module holds row ids[i]."""
+    pos = np.arange(batchSize * posPerBatch).reshape(batchSize, posPerBatch)
+    if negPerBatch is None:
+        return pos
+    start = batchSize * posPerBatch
+    return pos, np.arange(start, start + batchSize * negPerBatch).reshape(batchSize, negPerBatch)
+
+
+class Plan:
+    """One batch's ids as an int64 index (on the CPU and, lazily, on a device), plus each slot's
+    owner: the first slot holding the same row. Computed on the device without synchronizing."""
+
+    def __init__(self, ids, device: torch.device):
+        index = torch.as_tensor(ids)
+        if index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be integers, got {index.dtype}")
+        self.cpu = index.reshape(-1).to(torch.int64)
+        self.device = device
+        self.index = self.cpu.to(device, non_blocking=True) if device.type != "cpu" else self.cpu
+        self._owner: Optional[Tensor] = None
+
+    def on(self, device: torch.device) -> Tensor:
+        if device == self.device or (device.type == self.device.type == "cpu"):
+            return self.index
+        return self.cpu if device.type == "cpu" else self.cpu.to(device, non_blocking=True)
+
+    @property
+    def owner(self) -> Tensor:
+        if self._owner is None:
+            idx = self.index
+            sorted_ids, perm = torch.sort(idx, stable=True)
+            n = idx.numel()
+            positions = torch.arange(n, device=idx.device)
+            starts = torch.ones(n, dtype=torch.bool, device=idx.device)
+            starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+            first = torch.where(starts, positions, torch.zeros_like(positions)).cummax(0).values
+            owner = torch.empty_like(perm)
+            owner[perm] = perm[first]
+            self._owner = owner
+        return self._owner
+
+
+def plan_for(cached: Optional[Plan], pos, neg, device: torch.device) -> Plan:
+    """The plan of beforeForwardPass when afterOptimizerStep gets the same ids (as it must)."""
+    ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1).to(torch.int64)
+    if cached is not None and torch.equal(ids, cached.cpu):
+        return cached
+    return Plan(ids, device)
+
+
+def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
+    """Gradient hook: each row's slot gradients summed into its owner slot, others zero."""
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        rows = owner.to(grad.device)[grad.indices()[0]]
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.values(), grad.shape).coalesce()
+    return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
+
+
+def zero_copy(table: Tensor) -> bool:
+    return table.is_cuda or (table.device.type == "cpu" and torch.cuda.is_available()
+                             and table.is_pinned())
+
+
+def gather(table: Tensor, plan: Plan, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Rows plan.index of `table` as a new tensor on `device`, in `dtype`."""
+    if table.is_cuda or (device.type == "cuda" and zero_copy(table)):
+        where = table.device if table.is_cuda else device
+        rows = ops.pinned_gather(table, plan.on(where))
+    else:  # host table without mapped memory, or a CPU model: the multithreaded CPU gather
+        rows = ops.pinned_gather(table, plan.cpu)
+    return rows.to(device=device, dtype=dtype, non_blocking=True)
+
+
+def scatter(table: Tensor, plan: Plan, rows: Tensor) -> None:
+    """table[plan.index] = rows, every slot of a row writing its owner's values."""
+    rows = rows.detach()[plan.owner.to(rows.device)]
+    if table.is_cuda or (rows.is_cuda and zero_copy(table)):
+        where = table.device if table.is_cuda else rows.device
+        ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
+    else:
+        ops.pinned_scatter(table, plan.cpu, rows.to("cpu", table.dtype))
+
+
+def check_loaded(name: str, loaded: Tensor, expected: Tensor) -> None:
+    if tuple(loaded.shape) != tuple(expected.shape) or loaded.dtype != expected.dtype:
+        raise ValueError(f"{name}: the file holds {tuple(loaded.shape)} {loaded.dtype}, but this "
+                         f"store is {tuple(expected.shape)} {expected.dtype}")
+
+
+# ---- optimizer state -----------------------------------------------------------------------
+
+def _scalar(value: float, p: Tensor, on_device: bool) -> Tensor:
+    """A step-like scalar as torch's optimizers create it."""
+    dtype = _get_scalar_dtype()
+    return torch.tensor(value, dtype=dtype, device=p.device if on_device else None)
+
+
+def state_layout(optimizer: torch.optim.Optimizer, group: dict):
+    """(per-element state keys with their initial fill, scalar state) of `optimizer` for a
+    parameter of `group`: what torch creates at the first step(), created ahead so the batch
+    rows can be swapped in before it."""
+    name = type(optimizer).__name__
+    lr = group.get("lr", 0.0)
+    lr = float(lr) if not isinstance(lr, Tensor) else float(lr.item())
+    if name in ("Adam", "AdamW"):
+        keys = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        if group.get("amsgrad"):
+            keys["max_exp_avg_sq"] = 0.0
+        return keys, {"step": 0.0}
+    if name == "Adamax":
+        return {"exp_avg": 0.0, "exp_inf": 0.0}, {"step": 0.0}
+    if name == "Adadelta":
+        return {"square_avg": 0.0, "acc_delta": 0.0}, {"step": 0.0}
+    if name == "RMSprop":
+        keys = {"square_avg": 0.0}
+        if group.get("momentum", 0) > 0:
+            keys["momentum_buffer"] = 0.0
+        if group.get("centered"):
+            keys["grad_avg"] = 0.0
+        return keys, {"step": 0.0}
+    if name == "Adagrad":
+        return {"sum": float(group.get("initial_accumulator_value", 0.0))}, {"step": 0.0}
+    if name == "SparseAdam":
+        return {"exp_avg": 0.0, "exp_avg_sq": 0.0}, {"step": 0}
+    if name == "ASGD":
+        return {"ax": 0.0}, {"step": 0.0, "eta": lr, "mu": 1.0}
+    if name == "Rprop":
+        return {"prev": 0.0, "step_size": lr}, {"step": 0.0}
+    if name == "SGD":
+        if group.get("momentum", 0) == 0:
+            return {}, {}
+        return {"momentum_buffer": 0.0}, {}
+    raise ValueError(f"optimizer {name} is not supported; supported: Adam, AdamW, Adamax, "
+                     "Adadelta, RMSprop, Adagrad, SparseAdam, ASGD, Rprop, SGD")
+
+
+def find_group(optimizer: torch.optim.Optimizer, param: Tensor):
+    """The param group holding `param` (by identity) and the param's position in the
+    optimizer's state_dict numbering."""
+    position = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p is param:
+                return group, position
+            position += 1
+    raise ValueError("the optimizer does not hold this model variable's weight; build it from "
+                     "model.parameters()")
+
+
+def init_state(optimizer: torch.optim.Optimizer, param: Tensor, group: dict, fills: dict,
+               scalars: dict) -> None:
+    """Create the state torch's step() expects, unless it exists (a step already ran)."""
+    state = optimizer.state[param]
+    # ASGD keeps its scalars on the parameter's device; the others only when capturable/fused.
+    on_device = (type(optimizer).__name__ == "ASGD" or bool(group.get("capturable"))
+                 or bool(group.get("fused")))
+    for key, value in scalars.items():
+        if key not in state:
+            state[key] = value if isinstance(value, int) else _scalar(value, param, on_device)
+    for key, fill in fills.items():
+        if key not in state:
+            state[key] = torch.full_like(param, fill, memory_format=torch.preserve_format)

@@ -1,0 +1,193 @@
+"""The SpeedTorch-compatible classes: training through the switchers equals training the full
+table (exactly for SGD; for stateful optimizers against a "lazy" reference written here), with
+unique and duplicate ids, on every store the machine has."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import speedtorch_ops as so
+from conftest import HAS_CUDA
+
+V, D, B, P, N = 40, 6, 5, 2, 3  # vocabulary, dim, batch, positives and negatives per example
+
+# (model device, store): "pinned" is CPUPinn=True (ordinary memory on a machine without a GPU).
+CONFIGS = [("cpu", "cpu"), ("cpu", "pinned")]
+if HAS_CUDA:
+    CONFIGS += [("cuda", "pinned"), ("cuda", "cuda"), ("cuda", "cpu")]
+
+
+class SlotModel(nn.Module):
+    """Skip-gram-like model over batch-sized embeddings, called with slot numbers."""
+
+    def __init__(self, u_rows, v_rows, sparse=False):
+        super().__init__()
+        self.u_embeddings = nn.Embedding(u_rows, D, sparse=sparse)
+        self.v_embeddings = nn.Embedding(v_rows, D, sparse=sparse)
+
+    def forward(self, u, v_pos, v_neg):
+        eu = self.u_embeddings(u)                       # (B, 1, D)
+        pos = (eu * self.v_embeddings(v_pos)).sum(-1)   # (B, P)
+        neg = (eu * self.v_embeddings(v_neg)).sum(-1)   # (B, N)
+        return -(nn.functional.logsigmoid(pos).sum() + nn.functional.logsigmoid(-neg).sum())
+
+
+def batches(steps, duplicates, gen):
+    out = []
+    for _ in range(steps):
+        if duplicates:  # few distinct ids: repeats within and across positives and negatives
+            labels = torch.randint(0, 6, (B, 1), generator=gen)
+            ctx = torch.randint(0, 6, (B, P), generator=gen)
+            negs = torch.randint(0, 6, (B, N), generator=gen)
+        else:
+            perm = torch.randperm(V, generator=gen)
+            labels = perm[:B].reshape(B, 1)
+            ctx_negs = torch.randperm(V, generator=gen)[: B * (P + N)]
+            ctx, negs = ctx_negs[: B * P].reshape(B, P), ctx_negs[B * P:].reshape(B, N)
+        out.append((labels.numpy().astype(np.int32), ctx.numpy().astype(np.int32),
+                    negs.numpy().astype(np.int32)))
+    return out
+
+
+def make_optimizer(name, params):
+    return {
+        "SGD": lambda: torch.optim.SGD(params, lr=0.1),
+        "SGD-momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        "Adam": lambda: torch.optim.Adam(params, lr=0.05),
+        "AdamW": lambda: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, amsgrad=True),
+        "Adagrad": lambda: torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1),
+        "RMSprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5, centered=True),
+        "Adamax": lambda: torch.optim.Adamax(params, lr=0.05),
+        "Adadelta": lambda: torch.optim.Adadelta(params, lr=1.0),
+        "ASGD": lambda: torch.optim.ASGD(params, lr=0.05),
+        "Rprop": lambda: torch.optim.Rprop(params, lr=0.01),
+        "SparseAdam": lambda: torch.optim.SparseAdam(params, lr=0.05),
+    }[name]()
+
+
+def factories(store, model, opt, dtype):
+    """A model and an optimizer switcher per embedding, for `store`."""
+    if store == "pinned":
+        mk = lambda var: so.ModelFactory(var, V, D, datatype=dtype, CPUPinn=True)
+        ok = lambda name: so.OptimizerFactory(opt, V, D, model, name, dtype, True)
+    elif store == "cuda":
+        mk = lambda var: so.GPUPytorchModelFactory(var, V, D, dtype)
+        ok = lambda name: so.GPUPytorchOptimizerFactory(opt, V, D, model, name, dtype)
+    else:
+        mk = lambda var: so.PytorchModelFactory(var, V, D, dtype, deviceType="cpu")
+        ok = lambda name: so.PytorchOptimizerFactory(opt, V, D, model, name, dtype, "cpu")
+    return mk(model.u_embeddings), mk(model.v_embeddings), ok("u_embeddings"), ok("v_embeddings")
+
+
+def train_switchers(device, store, opt_name, data, init_u, init_v):
+    dtype = torch.float64
+    model = SlotModel(B, B * (P + N), sparse=opt_name == "SparseAdam").to(device, dtype)
+    opt = make_optimizer(opt_name, model.parameters())
+    u_sw, v_sw, u_opt, v_opt = factories(store, model, opt, dtype)
+    u_sw.customInit(lambda t: t.copy_(init_u))
+    v_sw.customInit(lambda t: t.copy_(init_v))
+    u_opt.optInit()
+    v_opt.optInit()
+    u_slots = torch.as_tensor(u_sw.variableTransformer(B, 1), device=device)
+    v_pos, v_neg = (torch.as_tensor(s, device=device) for s in v_sw.variableTransformer(B, P, N))
+    for labels, ctx, negs in data:
+        with torch.no_grad():
+            u_sw.beforeForwardPass(labels)
+            v_sw.beforeForwardPass(ctx, negs)
+            u_opt.beforeForwardPass(labels)
+            v_opt.beforeForwardPass(ctx, negs)
+        opt.zero_grad()
+        model(u_slots, v_pos, v_neg).backward()
+        opt.step()
+        with torch.no_grad():
+            u_sw.afterOptimizerStep(labels)
+            v_sw.afterOptimizerStep(ctx, negs)
+            u_opt.afterOptimizerStep(labels)
+            v_opt.afterOptimizerStep(ctx, negs)
+    return u_sw, v_sw, u_opt, v_opt
+
+
+# Per-element state that torch does not start at zero (the hyperparameters of make_optimizer).
+INITIAL = {"sum": 0.1, "step_size": 0.01}
+
+
+def lazy_reference(opt_name, data, init_u, init_v, opt_keys):
+    """Full tables with real ids. Each step: the gradient of the loss w.r.t. the full tables;
+    for the batch's distinct rows only, one optimizer step with their summed gradient, their
+    state rows and the global step count; other rows and their state stay as they are."""
+    tables = {"u": init_u.clone(), "v": init_v.clone()}
+    states = {name: {} for name in tables}
+    scalars = {name: None for name in tables}
+    for labels, ctx, negs in data:
+        u_ids, pos_ids, neg_ids = (torch.as_tensor(x, dtype=torch.int64) for x in (labels, ctx, negs))
+        full = {k: t.clone().requires_grad_() for k, t in tables.items()}
+        eu = full["u"][u_ids]
+        pos = (eu * full["v"][pos_ids]).sum(-1)
+        neg = (eu * full["v"][neg_ids]).sum(-1)
+        (-(nn.functional.logsigmoid(pos).sum() + nn.functional.logsigmoid(-neg).sum())).backward()
+        for name, ids in (("u", u_ids), ("v", torch.cat([pos_ids.flatten(), neg_ids.flatten()]))):
+            rows = torch.unique(ids.flatten())
+            param = tables[name][rows].clone().requires_grad_()
+            param.grad = full[name].grad[rows]
+            if opt_name == "SparseAdam":
+                param.grad = param.grad.to_sparse()
+            opt = make_optimizer(opt_name, [param])
+            if scalars[name] is not None:  # carry the per-parameter scalars (step, ...) along
+                opt.state[param].update(copy.deepcopy(scalars[name]))
+                for key in opt_keys:
+                    opt.state[param][key] = states[name][key][rows].clone()
+            opt.step()
+            with torch.no_grad():
+                tables[name][rows] = param
+            st = opt.state[param]
+            for key in opt_keys:
+                if key not in states[name]:  # rows never seen start from torch's initial value
+                    states[name][key] = torch.full_like(tables[name], INITIAL.get(key, 0.0))
+                states[name][key][rows] = st[key]
+            scalars[name] = {k: v for k, v in st.items() if k not in opt_keys}
+    return tables, states
+
+
+@pytest.mark.parametrize("device,store", CONFIGS)
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_sgd_equals_full_table_training(device, store, duplicates, gen):
+    data = batches(4, duplicates, gen)
+    init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    u_sw, v_sw, _, _ = train_switchers(device, store, "SGD", data, init_u, init_v)
+
+    full = SlotModel(V, V).double()  # the whole table trained directly, real ids
+    with torch.no_grad():
+        full.u_embeddings.weight.copy_(init_u)
+        full.v_embeddings.weight.copy_(init_v)
+    opt = torch.optim.SGD(full.parameters(), lr=0.1)
+    for labels, ctx, negs in data:
+        opt.zero_grad()
+        full(*(torch.as_tensor(x, dtype=torch.int64) for x in (labels, ctx, negs))).backward()
+        opt.step()
+    assert torch.allclose(torch.from_numpy(u_sw.getNumpyVersion()), full.u_embeddings.weight,
+                          rtol=1e-12, atol=1e-12), f"seed {gen.initial_seed()}"
+    assert torch.allclose(torch.from_numpy(v_sw.getNumpyVersion()), full.v_embeddings.weight,
+                          rtol=1e-12, atol=1e-12), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("device,store", CONFIGS)
+@pytest.mark.parametrize("duplicates", [False, True])
+@pytest.mark.parametrize("opt_name", ["Adam", "AdamW", "Adagrad", "RMSprop", "SGD-momentum",
+                                      "Adamax", "Adadelta", "ASGD", "Rprop", "SparseAdam"])
+def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt_name, gen):
+    data = batches(4, duplicates, gen)
+    init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    u_sw, v_sw, u_opt, v_opt = train_switchers(device, store, opt_name, data, init_u, init_v)
+    tables, states = lazy_reference(opt_name, data, init_u, init_v, u_opt.optVarList)
+    msg = f"{opt_name} seed {gen.initial_seed()}"
+    for sw, opt_sw, name in ((u_sw, u_opt, "u"), (v_sw, v_opt, "v")):
+        got = torch.from_numpy(sw.getNumpyVersion())
+        assert torch.allclose(got, tables[name], rtol=1e-10, atol=1e-10), msg
+        stacked = torch.from_numpy(opt_sw.getNumpyVersion())
+        for k, key in enumerate(opt_sw.optVarList):
+            assert torch.allclose(stacked[k], states[name][key], rtol=1e-10, atol=1e-10), (msg, key)
