@@ -142,7 +142,8 @@ def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
     if grad.is_sparse:
         grad = grad.coalesce()
         rows = owner.to(grad.device)[grad.indices()[0]]
-        return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.values(), grad.shape).coalesce()
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.values(), grad.shape,
+                                       check_invariants=False).coalesce()
     return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
 
 

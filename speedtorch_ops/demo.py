@@ -1,56 +1,229 @@
-"""Transfer demo: batches of random rows moved between a host table and the device with the ops,
-checked against plain PyTorch indexing, with the rate printed.
+"""The main job: skip-gram with negative sampling, the embedding tables and their optimizer state
+in pinned host memory (the GPU holds only the batch), trained through the SpeedTorch-compatible
+factories, on an embedded corpus with planted structure.
 
-    python -m speedtorch_ops.demo [--rows N] [--dim D] [--batch B] [--steps S] [--device cpu|cuda]
+The corpus is generated deterministically: the vocabulary is split into clusters of
+--cluster-size words; each sentence draws most of its words from one cluster and the rest from
+the whole vocabulary (Zipf-like noise). Words of a cluster co-occur, so a trained embedding puts
+them next to each other: the quality score is the share of each word's nearest neighbours
+(cosine, centre embeddings) that are in its own cluster (chance: about cluster_size / vocab).
+
+    python -m speedtorch_ops.demo                      # CPU when no GPU is present
+    python -m speedtorch_ops.demo --vocab 4000000 --dim 128 --batch 8192 --device cuda \
+        --gpu-budget-mb 2048 --baseline                 # table bigger than the GPU budget
 """
 
+from __future__ import annotations
+
 import argparse
+import math
+import resource
 import time
 
+import numpy as np
 import torch
+from torch import nn
 
-import speedtorch_ops
+import speedtorch_ops as so
+
+OPTIMIZERS = {
+    "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
+    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
+    "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr * 10),
+    "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr / 5),
+    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr * 100, momentum=0.9),
+}
+
+
+class Corpus:
+    """Sentences with planted clusters, generated from a fixed seed (the embedded default data)."""
+
+    def __init__(self, vocab: int, cluster_size: int, tokens: int, seed: int = 2019):
+        rng = np.random.default_rng(seed)
+        self.vocab, self.cluster_size = vocab, cluster_size
+        self.cluster = rng.permutation(vocab) // cluster_size  # word -> its cluster
+        members = np.argsort(self.cluster, kind="stable").reshape(-1, cluster_size)
+        sentence = 12
+        topics = rng.integers(0, members.shape[0], tokens // sentence)
+        in_cluster = members[topics[:, None], rng.integers(0, cluster_size, (len(topics), sentence))]
+        noise = np.minimum(rng.zipf(1.3, (len(topics), sentence)) - 1, vocab - 1)
+        self.text = np.where(rng.random((len(topics), sentence)) < 0.8, in_cluster, noise)
+        counts = np.bincount(self.text.ravel(), minlength=vocab).astype(np.float64) + 1
+        self.negative_weights = torch.from_numpy(counts ** 0.75 / (counts ** 0.75).sum())
+        self.rng = rng
+
+    def batch(self, size: int, negatives: int, window: int = 3):
+        """(centres (B,1), contexts (B,1), negatives (B,N)) as int32 NumPy arrays."""
+        rows = self.rng.integers(0, self.text.shape[0], size)
+        cols = self.rng.integers(0, self.text.shape[1], size)
+        shift = self.rng.integers(1, window + 1, size) * self.rng.choice([-1, 1], size)
+        ctx_cols = np.clip(cols + shift, 0, self.text.shape[1] - 1)
+        ctx_cols = np.where(ctx_cols == cols, (cols + 1) % self.text.shape[1], ctx_cols)
+        negs = torch.multinomial(self.negative_weights, size * negatives, replacement=True)
+        return (self.text[rows, cols].reshape(size, 1).astype(np.int32),
+                self.text[rows, ctx_cols].reshape(size, 1).astype(np.int32),
+                negs.numpy().reshape(size, negatives).astype(np.int32))
+
+
+class SkipGram(nn.Module):
+    """Batch-sized embeddings: called with slot numbers (variableTransformer), not word ids."""
+
+    def __init__(self, u_rows: int, v_rows: int, dim: int, sparse: bool = False):
+        super().__init__()
+        self.u_embeddings = nn.Embedding(u_rows, dim, sparse=sparse)
+        self.v_embeddings = nn.Embedding(v_rows, dim, sparse=sparse)
+
+    def forward(self, centre, context, negatives):
+        u = self.u_embeddings(centre)                              # (B, 1, D)
+        pos = (u * self.v_embeddings(context)).sum(-1)             # (B, 1)
+        neg = (u * self.v_embeddings(negatives)).sum(-1)           # (B, N)
+        return -(nn.functional.logsigmoid(pos).mean() + nn.functional.logsigmoid(-neg).sum(1).mean())
+
+
+def neighbour_precision(table: torch.Tensor, cluster: np.ndarray, sample: int = 1000, k: int = 5,
+                        seed: int = 0) -> float:
+    """Share of the k nearest neighbours (cosine) of `sample` words that share their cluster."""
+    rng = np.random.default_rng(seed)
+    words = rng.choice(table.shape[0], min(sample, table.shape[0]), replace=False)
+    emb = torch.nn.functional.normalize(table.float(), dim=1)
+    hits = 0
+    for chunk in np.array_split(words, max(1, len(words) // 256)):
+        sims = emb[torch.from_numpy(chunk)] @ emb.T
+        sims[torch.arange(len(chunk)), torch.from_numpy(chunk)] = -2  # not itself
+        top = sims.topk(k, dim=1).indices.numpy()
+        hits += (cluster[top] == cluster[chunk][:, None]).sum()
+    return hits / (len(words) * k)
+
+
+def progress(iterable, total):
+    try:
+        from tqdm import tqdm
+        return tqdm(iterable, total=total, mininterval=1.0, unit="step")
+    except ImportError:  # tqdm is optional
+        return iterable
+
+
+def train_switchers(a, corpus, device):
+    """The tables in pinned host memory (ordinary memory without a GPU), Adam state too."""
+    B, N = a.batch, a.negatives
+    model = SkipGram(B, B * (1 + N), a.dim).to(device)
+    optimizer = OPTIMIZERS[a.optimizer](model.parameters(), a.lr)
+    u_sw = so.ModelFactory(model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
+    v_sw = so.ModelFactory(model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
+    bound = 0.5 / a.dim
+    u_sw.uniformDistributionInit(-bound, bound)
+    v_sw.normalDistributionInit(0.0, bound)
+    u_opt = so.OptimizerFactory(optimizer, a.vocab, a.dim, model, "u_embeddings", CPUPinn=True)
+    v_opt = so.OptimizerFactory(optimizer, a.vocab, a.dim, model, "v_embeddings", CPUPinn=True)
+    u_opt.optInit()
+    v_opt.optInit()
+    centre = torch.as_tensor(u_sw.variableTransformer(B, 1), device=device)
+    context, negatives = (torch.as_tensor(x, device=device) for x in v_sw.variableTransformer(B, 1, N))
+    state_tables = len(u_opt.optVarList)
+
+    losses = []
+    batches = [corpus.batch(B, N) for _ in range(min(a.steps, 64))]  # reused round-robin
+    start = time.perf_counter()
+    for step in progress(range(a.steps), a.steps):
+        labels, ctx, negs = batches[step % len(batches)] if a.reuse_batches else corpus.batch(B, N)
+        with torch.no_grad():
+            u_sw.beforeForwardPass(labels)
+            v_sw.beforeForwardPass(ctx, negs)
+            u_opt.beforeForwardPass(labels)
+            v_opt.beforeForwardPass(ctx, negs)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(centre, context, negatives)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            u_sw.afterOptimizerStep(labels)
+            v_sw.afterOptimizerStep(ctx, negs)
+            u_opt.afterOptimizerStep(labels)
+            v_opt.afterOptimizerStep(ctx, negs)
+        if step % max(1, a.steps // 20) == 0 or step == a.steps - 1:
+            losses.append(float(loss.detach()))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rows_per_step = 2 * (B + B * (1 + N)) * (1 + state_tables)  # loaded + written back
+    host_bytes = sum(t.nbytes for t in [u_sw.CUPYcorpus, v_sw.CUPYcorpus,
+                                         *u_opt.CUPYcorpi, *v_opt.CUPYcorpi])
+    return dict(seconds=seconds, losses=losses, rows_per_step=rows_per_step,
+                host_table_bytes=host_bytes, table=u_sw.CUPYcorpus)
+
+
+def train_all_on_gpu(a, corpus, device):
+    """Plain PyTorch baseline: the full tables on the GPU, sparse gradients, SparseAdam (the same
+    lazy semantics as the switchers with Adam)."""
+    B, N = a.batch, a.negatives
+    model = SkipGram(a.vocab, a.vocab, a.dim, sparse=True).to(device)
+    optimizer = torch.optim.SparseAdam(model.parameters(), lr=a.lr)
+    batches = [corpus.batch(B, N) for _ in range(min(a.steps, 64))]
+    start = time.perf_counter()
+    for step in range(a.steps):
+        labels, ctx, negs = batches[step % len(batches)] if a.reuse_batches else corpus.batch(B, N)
+        ids = [torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in (labels, ctx, negs)]
+        optimizer.zero_grad(set_to_none=True)
+        model(*ids).backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rows", type=int, default=1_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=131_072)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--vocab", type=int, default=20_000, help="rows of each embedding table")
+    p.add_argument("--cluster-size", type=int, default=20, help="words per planted cluster")
+    p.add_argument("--tokens", type=int, default=2_000_000, help="corpus length")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024, help="centre words per step")
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gpu-budget-mb", type=float, default=None,
+                   help="cap this process's CUDA memory (to show tables larger than the budget)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time plain PyTorch with the whole tables on the GPU")
+    p.add_argument("--reuse-batches", action="store_true",
+                   help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     a = p.parse_args(argv)
-    dev = torch.device(a.device)
-    on_gpu = dev.type == "cuda"
+    device = torch.device(a.device)
+    torch.manual_seed(0)
 
-    table = speedtorch_ops.empty_pinned((a.rows, a.dim), torch.float32, pin=on_gpu)
-    table.copy_(torch.randn(a.rows, a.dim))
-    reference = table.clone()
-    where = "pinned host memory (zero-copy)" if on_gpu else "CPU memory"
-    print(f"table {a.rows:,} x {a.dim} float32 = {table.nbytes / 2**20:,.0f} MiB in {where}; "
-          f"batch {a.batch:,} rows to {dev}")
+    corpus = Corpus(a.vocab, a.cluster_size, a.tokens)
+    table_mb = a.vocab * a.dim * 4 / 2**20
+    if a.gpu_budget_mb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(a.gpu_budget_mb * 2**20 / total, device)
+    print(f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 tables "
+          f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
+          f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
+          + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 
-    batch = torch.empty(a.batch, a.dim, device=dev)
-    moved, start = 0, 0.0
-    for step in range(a.steps + 1):  # step 0 is checked against torch and not timed
-        index = torch.randint(0, a.rows, (a.batch,), device=dev)
-        speedtorch_ops.pinned_gather_into(table, index, batch)      # host rows -> device
-        batch.mul_(0.5).add_(1.0)                                  # "training"
-        speedtorch_ops.pinned_scatter(table, index, batch)          # device rows -> host
-        if step == 0:  # check one step against plain PyTorch indexing
-            idx = index.cpu()
-            expected = reference[idx] * 0.5 + 1.0
-            assert torch.allclose(batch.cpu(), expected), "gather result differs from torch"
-            reference[idx] = batch.cpu()  # duplicates: any copy of a row holds the same value
-            assert torch.equal(table, reference), "scatter result differs from torch"
-            start = time.perf_counter()
-            continue
-        moved += 2 * a.batch
-    if on_gpu:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    print(f"{a.steps} steps in {seconds:.3f} s: {moved / seconds / 1e6:.1f} M rows/s, "
-          f"{moved * a.dim * 4 / seconds / 1e9:.2f} GB/s (gather + scatter; step 0 checked against torch)")
+    r = train_switchers(a, corpus, device)
+    quality = neighbour_precision(r["table"], corpus.cluster)
+    chance = (a.cluster_size - 1) / (a.vocab - 1)
+    steps_per_s = a.steps / r["seconds"]
+    print(f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+    print(f"steps/s {steps_per_s:,.1f}; rows moved {r['rows_per_step'] * steps_per_s / 1e6:,.2f} M/s "
+          f"(weights and optimizer state, loaded and written back)")
+    print(f"host tables {r['host_table_bytes'] / 2**20:,.0f} MiB; process peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB"
+          + (f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB"
+             if device.type == "cuda" else ""))
+    print(f"quality: nearest-neighbour precision@5 {quality:.3f} (chance {chance:.4f})")
+    if a.baseline and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.reset_peak_memory_stats(device)
+        seconds = train_all_on_gpu(a, corpus, device)
+        base = a.steps / seconds
+        print(f"baseline, whole tables on the GPU (SparseAdam): steps/s {base:,.1f}, GPU peak "
+              f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; switchers / baseline "
+              f"= {steps_per_s / base:.2f}")
+    if not (r["losses"][-1] < r["losses"][0] and quality > 5 * chance):
+        raise SystemExit("training did not learn the planted structure")
 
 
 if __name__ == "__main__":
