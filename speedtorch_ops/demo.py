@@ -190,6 +190,8 @@ def main(argv=None) -> None:
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
 
     corpus = Corpus(a.vocab, a.cluster_size, a.tokens)

@@ -114,8 +114,9 @@ def train_switchers(device, store, opt_name, data, init_u, init_v):
 INITIAL = {"sum": 0.1, "step_size": 0.01}
 
 
-def lazy_reference(opt_name, data, init_u, init_v, opt_keys):
-    """Full tables with real ids. Each step: the gradient of the loss w.r.t. the full tables;
+def lazy_reference(opt_name, data, init_u, init_v, opt_keys, device):
+    """Full tables with real ids (on the CPU); the optimizer math runs on `device`, the model's,
+    since torch's CPU and CUDA optimizer implementations may round differently. Each step: the gradient of the loss w.r.t. the full tables;
     for the batch's distinct rows only, one optimizer step with their summed gradient, their
     state rows and the global step count; other rows and their state stay as they are."""
     tables = {"u": init_u.clone(), "v": init_v.clone()}
@@ -130,23 +131,23 @@ def lazy_reference(opt_name, data, init_u, init_v, opt_keys):
         (-(nn.functional.logsigmoid(pos).sum() + nn.functional.logsigmoid(-neg).sum())).backward()
         for name, ids in (("u", u_ids), ("v", torch.cat([pos_ids.flatten(), neg_ids.flatten()]))):
             rows = torch.unique(ids.flatten())
-            param = tables[name][rows].clone().requires_grad_()
-            param.grad = full[name].grad[rows]
+            param = tables[name][rows].clone().to(device).requires_grad_()
+            param.grad = full[name].grad[rows].to(device)
             if opt_name == "SparseAdam":
                 param.grad = param.grad.to_sparse()
             opt = make_optimizer(opt_name, [param])
             if scalars[name] is not None:  # carry the per-parameter scalars (step, ...) along
                 opt.state[param].update(copy.deepcopy(scalars[name]))
                 for key in opt_keys:
-                    opt.state[param][key] = states[name][key][rows].clone()
+                    opt.state[param][key] = states[name][key][rows].to(device)
             opt.step()
             with torch.no_grad():
-                tables[name][rows] = param
+                tables[name][rows] = param.cpu()
             st = opt.state[param]
             for key in opt_keys:
                 if key not in states[name]:  # rows never seen start from torch's initial value
                     states[name][key] = torch.full_like(tables[name], INITIAL.get(key, 0.0))
-                states[name][key][rows] = st[key]
+                states[name][key][rows] = st[key].cpu()
             scalars[name] = {k: v for k, v in st.items() if k not in opt_keys}
     return tables, states
 
@@ -183,7 +184,7 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
     init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
     u_sw, v_sw, u_opt, v_opt = train_switchers(device, store, opt_name, data, init_u, init_v)
-    tables, states = lazy_reference(opt_name, data, init_u, init_v, u_opt.optVarList)
+    tables, states = lazy_reference(opt_name, data, init_u, init_v, u_opt.optVarList, device)
     msg = f"{opt_name} seed {gen.initial_seed()}"
     for sw, opt_sw, name in ((u_sw, u_opt, "u"), (v_sw, v_opt, "v")):
         got = torch.from_numpy(sw.getNumpyVersion())
