@@ -82,6 +82,18 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
   });
 }
 
+namespace {
+thread_local bool t_index_wait = true;
+}  // namespace
+
+bool set_index_wait(bool enabled) {
+  const bool previous = t_index_wait;
+  t_index_wait = enabled;
+  return previous;
+}
+
+bool index_wait() { return t_index_wait; }
+
 void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const std::optional<at::Tensor>& writeback_index,
                      const std::optional<at::Tensor>& load_index,

@@ -2,6 +2,8 @@
 // Kernels register per dispatch key in cpu/*.cpp and cuda/*.cpp; fakes and autograd in ops.py.
 #include <torch/library.h>
 
+#include "speedtorch_ops/checks.h"
+
 TORCH_LIBRARY(speedtorch_ops, m) {
   // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
   // table for a CUDA index).
@@ -18,4 +20,8 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");
+  // For callers that validated their indices on the host already (the factories): on this
+  // thread, CUDA calls then skip the wait that turns a device-side bad-index flag into an
+  // exception (a bad index still writes nothing). Returns the previous setting.
+  m.def("_set_index_wait(bool enabled) -> bool", &speedtorch_ops::set_index_wait);
 }

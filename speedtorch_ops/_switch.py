@@ -107,6 +107,19 @@ class Plan:
         self.device = device
         self.index = self.cpu.to(device, non_blocking=True) if device.type != "cpu" else self.cpu
         self._owner: Optional[Tensor] = None
+        self._range = None
+
+    def check(self, rows: int) -> None:
+        """Raise unless every id is in [0, rows): on the host, where the ids already are, so the
+        ops need not wait for their own device-side check."""
+        if self.cpu.numel() == 0:
+            return
+        if self._range is None:
+            self._range = (int(self.cpu.min()), int(self.cpu.max()))
+        if self._range[0] < 0 or self._range[1] >= rows:
+            bad = int(((self.cpu < 0) | (self.cpu >= rows)).nonzero()[0])
+            raise RuntimeError(f"ids[{bad}] = {int(self.cpu[bad])} is out of range for a table of "
+                               f"{rows} rows; every id must be in [0, {rows}). Nothing was written.")
 
     def on(self, device: torch.device) -> Tensor:
         if device == self.device or (device.type == self.device.type == "cpu"):
@@ -154,22 +167,26 @@ def zero_copy(table: Tensor) -> bool:
 
 def gather(table: Tensor, plan: Plan, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Rows plan.index of `table` as a new tensor on `device`, in `dtype`."""
-    if table.is_cuda or (device.type == "cuda" and zero_copy(table)):
-        where = table.device if table.is_cuda else device
-        rows = ops.pinned_gather(table, plan.on(where))
-    else:  # host table without mapped memory, or a CPU model: the multithreaded CPU gather
-        rows = ops.pinned_gather(table, plan.cpu)
+    plan.check(table.shape[0])
+    with ops.host_validated():
+        if table.is_cuda or (device.type == "cuda" and zero_copy(table)):
+            where = table.device if table.is_cuda else device
+            rows = ops.pinned_gather(table, plan.on(where))
+        else:  # host table without mapped memory, or a CPU model: the multithreaded CPU gather
+            rows = ops.pinned_gather(table, plan.cpu)
     return rows.to(device=device, dtype=dtype, non_blocking=True)
 
 
 def scatter(table: Tensor, plan: Plan, rows: Tensor) -> None:
     """table[plan.index] = rows, every slot of a row writing its owner's values."""
+    plan.check(table.shape[0])
     rows = rows.detach()[plan.owner.to(rows.device)]
-    if table.is_cuda or (rows.is_cuda and zero_copy(table)):
-        where = table.device if table.is_cuda else rows.device
-        ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
-    else:
-        ops.pinned_scatter(table, plan.cpu, rows.to("cpu", table.dtype))
+    with ops.host_validated():
+        if table.is_cuda or (rows.is_cuda and zero_copy(table)):
+            where = table.device if table.is_cuda else rows.device
+            ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
+        else:
+            ops.pinned_scatter(table, plan.cpu, rows.to("cpu", table.dtype))
 
 
 def check_loaded(name: str, loaded: Tensor, expected: Tensor) -> None:

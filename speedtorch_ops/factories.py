@@ -213,7 +213,9 @@ class _OptimizerSwitcher(_TableMethods):
         if not batch:
             return
         if self._swappable(device):
-            ops.optimizer_state_swap(stores, batch, None, self._plan.on(device))
+            self._plan.check(self.total_classes)
+            with ops.host_validated():
+                ops.optimizer_state_swap(stores, batch, None, self._plan.on(device))
         else:
             for store, b in zip(stores, batch):
                 b.copy_(sw.gather(store, self._plan, device, b.dtype))
@@ -228,7 +230,9 @@ class _OptimizerSwitcher(_TableMethods):
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]
-            ops.optimizer_state_swap(stores, rows, plan.on(device), None)
+            plan.check(self.total_classes)
+            with ops.host_validated():
+                ops.optimizer_state_swap(stores, rows, plan.on(device), None)
         else:
             for store, key in zip(stores, self.optVarList):
                 sw.scatter(store, plan, state[key])
@@ -288,11 +292,13 @@ class _GadgetBase(_TableMethods):
             table[indexes] = dataObject.to(table.device, table.dtype)
             return
         plan = sw.Plan(indexes, dataObject.device)
+        plan.check(table.shape[0])
         where = (table.device if table.is_cuda else
                  dataObject.device if dataObject.is_cuda and sw.zero_copy(table) else
                  torch.device("cpu"))
         rows = dataObject.detach().to(where, table.dtype).reshape(plan.cpu.numel(), *table.shape[1:])
-        ops.pinned_scatter(table, plan.on(where), rows)
+        with ops.host_validated():
+            ops.pinned_scatter(table, plan.on(where), rows)
 
 
 # ---- the CuPy-named family (0.1.6 CUPYLive.py) ---------------------------------------------

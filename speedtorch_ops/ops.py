@@ -5,7 +5,8 @@ so the wrappers trace under ``torch.compile(fullgraph=True)``. Argument checks (
 pinned memory) happen in C++ before any byte moves.
 """
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -52,6 +53,18 @@ def optimizer_state_swap(
     ``stores[k]``, then load rows ``load_index`` into ``batch[k]``. Either index may be None. A
     row in both indices is written back before it is loaded. Mutates both lists."""
     _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index)
+
+
+@contextlib.contextmanager
+def host_validated() -> Iterator[None]:
+    """For callers that checked their indices on the host (the factories): on this thread, CUDA
+    calls skip waiting for their device-side index check, so the host can run ahead of the GPU.
+    A bad index still writes nothing, but raises no error. Not for traced code."""
+    previous = _ops._set_index_wait.default(False)
+    try:
+        yield
+    finally:
+        _ops._set_index_wait.default(previous)
 
 
 # ---- fakes: shapes, dtypes and devices only; they read no data -------------------------------

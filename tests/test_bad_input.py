@@ -157,3 +157,22 @@ def test_wrong_devices_and_pageable_tables(gen):
     # After all of the above the CUDA context still works.
     assert torch.equal(speedtorch_ops.pinned_gather(pinned, cuda_idx).cpu(), data[[1, 2]])
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_host_validated_calls_write_nothing_for_bad_indices(store, gen):
+    """Inside ops.host_validated() (the factories, which check ids on the host) CUDA calls skip
+    the wait that raises; a bad index still writes nothing, and the setting is restored after."""
+    data, table, dev = _setup(store, gen)
+    bad = torch.tensor([1, ROWS], device=dev)
+    src = torch.ones(2, 4, device=dev)
+    with speedtorch_ops.ops.host_validated():
+        if store == "cpu":  # CPU kernels check on the host anyway: they always raise
+            with pytest.raises(RuntimeError, match="out of range"):
+                speedtorch_ops.pinned_scatter(table, bad, src)
+        else:
+            speedtorch_ops.pinned_scatter(table, bad, src)
+            torch.cuda.synchronize()
+    assert torch.equal(table.cpu(), data)
+    with pytest.raises(RuntimeError, match="out of range"):
+        speedtorch_ops.pinned_scatter(table, bad, src)

@@ -88,8 +88,10 @@ class Validation {
   cudaStream_t stream() const { return stream_; }
   int sm_count() const { return sm_count_; }
 
-  // Raises for a bad index. Waits for this stream only; skipped while capturing a graph.
+  // Raises for a bad index. Waits for this stream only; skipped while capturing a graph and
+  // for callers that validated on the host (set_index_wait(false)).
   void raise_if_bad() const {
+    if (!index_wait()) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capture));
     if (capture != cudaStreamCaptureStatusNone) return;

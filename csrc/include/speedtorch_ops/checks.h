@@ -54,4 +54,8 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const std::optional<at::Tensor>& load_index,
                      const c10::Device& batch_device);
 
+// Whether CUDA calls on this thread wait for their index validation to raise (default true).
+bool set_index_wait(bool enabled);
+bool index_wait();
+
 }  // namespace speedtorch_ops
