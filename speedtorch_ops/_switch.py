@@ -105,7 +105,7 @@ class Plan:
             raise TypeError(f"ids must be integers, got {index.dtype}")
         self.cpu = index.reshape(-1).to(torch.int64)
         self.device = device
-        self.index = self.cpu.to(device, non_blocking=True) if device.type != "cpu" else self.cpu
+        self.index = self._upload(device) if device.type != "cpu" else self.cpu
         self._owner: Optional[Tensor] = None
         self._range = None
 
@@ -121,10 +121,15 @@ class Plan:
             raise RuntimeError(f"ids[{bad}] = {int(self.cpu[bad])} is out of range for a table of "
                                f"{rows} rows; every id must be in [0, {rows}). Nothing was written.")
 
+    def _upload(self, device: torch.device) -> Tensor:
+        # Through pinned memory: a copy from pageable memory would wait for the whole stream.
+        staging = torch.empty(self.cpu.shape, dtype=torch.int64, pin_memory=True)
+        return staging.copy_(self.cpu).to(device, non_blocking=True)
+
     def on(self, device: torch.device) -> Tensor:
         if device == self.device or (device.type == self.device.type == "cpu"):
             return self.index
-        return self.cpu if device.type == "cpu" else self.cpu.to(device, non_blocking=True)
+        return self.cpu if device.type == "cpu" else self._upload(device)
 
     @property
     def owner(self) -> Tensor:
@@ -142,12 +147,21 @@ class Plan:
         return self._owner
 
 
-def plan_for(cached: Optional[Plan], pos, neg, device: torch.device) -> Plan:
-    """The plan of beforeForwardPass when afterOptimizerStep gets the same ids (as it must)."""
+_recent: list = []  # the last few plans: a table's model and optimizer factories share one
+
+
+def plan_for(pos, neg, device: torch.device) -> Plan:
+    """The plan of these ids on `device`: reused when a recent call had the same ids (the model
+    and optimizer factories of a table, and afterOptimizerStep after beforeForwardPass), so the
+    ids are uploaded and sorted once per step."""
     ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1).to(torch.int64)
-    if cached is not None and torch.equal(ids, cached.cpu):
-        return cached
-    return Plan(ids, device)
+    for plan in _recent:
+        if plan.device == device and torch.equal(ids, plan.cpu):
+            return plan
+    plan = Plan(ids, device)
+    _recent.insert(0, plan)
+    del _recent[8:]
+    return plan
 
 
 def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:

@@ -139,8 +139,7 @@ class _ModelSwitcher(_TableMethods):
         """Load the batch's rows (positives, then negatives) into the module's weight."""
         (table,) = self._tables()
         weight = self._weight()
-        ids = sw.reshaped_retrieval(retrievedPosIndexes, retrievedNegIndexes)
-        self._plan = sw.Plan(ids, weight.device)
+        self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, weight.device)
         weight.data = sw.gather(table, self._plan, weight.device, table.dtype)
         if self._hooked is not weight:  # sums duplicate slots' gradients into their owner
             weight.register_hook(self._combine_duplicates)
@@ -152,8 +151,7 @@ class _ModelSwitcher(_TableMethods):
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Write the batch's rows back into the table (each row once: its owner slot's value)."""
         (table,) = self._tables()
-        plan = sw.plan_for(self._plan, retrievedPosIndexes, retrievedNegIndexes,
-                           self._weight().device)
+        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, self._weight().device)
         sw.scatter(table, plan, self._weight().data)
 
 
@@ -200,8 +198,7 @@ class _OptimizerSwitcher(_TableMethods):
         stores = self._tables() if self.optVarList else []
         state = self.given_optimizer.state[self._param]
         device = self._param.device
-        self._plan = sw.Plan(sw.reshaped_retrieval(retrievedPosIndexes, retrievedNegIndexes),
-                             device)
+        self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
         shape = (self._plan.cpu.numel(), self.embed_dimension)
         batch = []
         for key in self.optVarList:
@@ -226,7 +223,7 @@ class _OptimizerSwitcher(_TableMethods):
         stores = self._tables()
         state = self.given_optimizer.state[self._param]
         device = self._param.device
-        plan = sw.plan_for(self._plan, retrievedPosIndexes, retrievedNegIndexes, device)
+        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]
