@@ -65,8 +65,7 @@ def mmap_npy(path: str, shape: Sequence[int], dtype: torch.dtype, pin: bool) -> 
             torch.ops.speedtorch_ops._pin_storage_.default(table)
         except RuntimeError:
             pass  # some file systems cannot be page-locked: the CPU path reads it instead
-    table._speedtorch_mmap = array  # keeps the mapping alive as long as the tensor
-    return table
+    return table  # from_numpy keeps the mapping alive as long as the tensor
 
 
 def next_free_name(stem: str, suffix: str) -> str:

@@ -16,7 +16,6 @@ them next to each other: the quality score is the share of each word's nearest n
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import time
 

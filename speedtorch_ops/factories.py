@@ -412,10 +412,7 @@ class DataGadgetMM(_GadgetBase):
     _attr = "CUPYmemmap"
 
     def gadgetInit(self) -> None:
-        array = np.load(self.fileName, mmap_mode="r+")
-        table = torch.from_numpy(array)
-        table._speedtorch_mmap = array
-        self.CUPYmemmap = table
+        self.CUPYmemmap = torch.from_numpy(np.load(self.fileName, mmap_mode="r+"))
 
 
 # ---- the torch-named families (0.1.6 GPUTorch.py, CPUTorchPinned.py, GenTorch.py) ----------

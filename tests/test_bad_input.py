@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import speedtorch_ops
-from conftest import STORES, index_device, needs_cuda, place, random_index, random_rows
+from conftest import STORES, index_device, needs_cuda, place, random_rows
 
 ROWS = 20
 
