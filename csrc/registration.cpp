@@ -5,18 +5,23 @@
 #include "speedtorch_ops/checks.h"
 
 TORCH_LIBRARY(speedtorch_ops, m) {
+  // The transfer ops pass opcheck (schema, fake, autograd registration, AOT dispatch) and are
+  // CUDA-graph capturable (tests/test_compile.py), so they carry the PT2-compliant tag.
+  const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
   // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
   // table for a CUDA index).
-  m.def("pinned_gather(Tensor table, Tensor index) -> Tensor");
+  m.def("pinned_gather(Tensor table, Tensor index) -> Tensor", pt2);
   // The same into a caller-provided tensor: allocates nothing (training loops, CUDA graphs).
-  m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out) -> ()");
+  m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out) -> ()", pt2);
   // table[index[i]] = src[i] in place (+= with accumulate); the last duplicate wins without it.
-  m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False) -> ()");
+  m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False) -> ()",
+        pt2);
   // For every pair k: write batch[k] to stores[k][writeback_index], then load
   // stores[k][load_index] into batch[k]. Either index may be None.
   m.def(
       "optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
-      "Tensor? load_index) -> ()");
+      "Tensor? load_index) -> ()",
+      pt2);
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");
