@@ -51,7 +51,14 @@ def test_inductor_reinplaces_the_table_mutation(gen):
     assert "speedtorch_ops.pinned_scatter.default(arg" in source, "the table was cloned"
 
 
-@pytest.mark.parametrize("store", STORES)
+PINNED_LIST_MUTATION = pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="Inductor does not re-inplace mutated list arguments: optimizer_state_swap runs on "
+           "pageable clones of pinned stores (refused). Call it outside compiled regions.")
+
+
+@pytest.mark.parametrize("store", ["cpu", pytest.param("pinned", marks=PINNED_LIST_MUTATION),
+                                   "cuda"])
 def test_gather_into_and_swap_compile(store, gen):
     dev = index_device(store)
     stores = [place(random_rows((40, 4), torch.float32, gen), store) for _ in range(2)]
@@ -166,9 +173,13 @@ def test_cuda_graph_capture_and_replay_with_new_indices(store, gen):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_reduce_overhead_mode_replays_correctly(gen):
+@pytest.mark.parametrize("store", [pytest.param("pinned", marks=pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="with mode='reduce-overhead' the compiled graph mutates a pageable copy of a pinned "
+           "table (refused); capture with torch.cuda.graph instead (test above)")), "cuda"])
+def test_reduce_overhead_mode_replays_correctly(store, gen):
     data = random_rows((300, 16), torch.float32, gen)
-    table = place(data, "pinned")
+    table = place(data, store)
     reference = data.clone()
 
     def step(table, index, src):
@@ -184,7 +195,7 @@ def test_reduce_overhead_mode_replays_correctly(gen):
         assert torch.equal(got.cpu(), reference[idx] * 2)
         reference[idx] = src
         torch.cuda.synchronize()
-        assert torch.equal(table, reference)
+        assert torch.equal(table.cpu(), reference)
 
 
 def test_compiled_model_inside_factory_training(gen):
