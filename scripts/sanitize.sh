@@ -24,6 +24,7 @@ git ls-files -z | xargs -0 -I{} cp --parents {} "$scratch"
 (cd "$scratch" && SPEEDTORCH_OPS_CPU_ONLY=1 CFLAGS="$FLAGS" LDFLAGS="-fsanitize=address,undefined" \
   "$PY" setup.py build_ext --inplace >build.log 2>&1) || { tail -30 "$scratch/build.log"; exit 1; }
 cd "$scratch"
+ldd speedtorch_ops/_C*.so | grep -q libasan || { echo "the scratch build is not instrumented"; exit 1; }
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
   PYTHONMALLOC=malloc "$PY" -m pytest -q -x -p no:cacheprovider \
   tests/test_pinned_gather.py tests/test_pinned_scatter.py tests/test_optimizer_state_swap.py \
