@@ -94,14 +94,18 @@ def variable_transformer(batchSize, posPerBatch, negPerBatch=None):
     return pos, np.arange(start, start + batchSize * negPerBatch).reshape(batchSize, negPerBatch)
 
 
+def check_ids_dtype(ids: Tensor) -> None:
+    if ids.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"ids must be integers, got {ids.dtype}")
+
+
 class Plan:
     """One batch's ids as an int64 index (on the CPU and, lazily, on a device), plus each slot's
     owner: the first slot holding the same row. Computed on the device without synchronizing."""
 
     def __init__(self, ids, device: torch.device):
         index = torch.as_tensor(ids)
-        if index.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ids must be integers, got {index.dtype}")
+        check_ids_dtype(index)
         self.cpu = index.reshape(-1).to(torch.int64)
         self.device = device
         self.index = self._upload(device) if device.type != "cpu" else self.cpu
@@ -153,7 +157,9 @@ def plan_for(pos, neg, device: torch.device) -> Plan:
     """The plan of these ids on `device`: reused when a recent call had the same ids (the model
     and optimizer factories of a table, and afterOptimizerStep after beforeForwardPass), so the
     ids are uploaded and sorted once per step."""
-    ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1).to(torch.int64)
+    ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1)
+    check_ids_dtype(ids)
+    ids = ids.to(torch.int64)
     for plan in _recent:
         if plan.device == device and torch.equal(ids, plan.cpu):
             return plan

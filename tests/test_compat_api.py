@@ -266,3 +266,37 @@ def test_checkpoint_resume_in_a_fresh_process(tmp_path):
     run("resume", ck, "6")                    # a fresh process resumes for 3 more
     run("straight", str(tmp_path / "ref"), "6")  # uninterrupted 6 steps
     assert np.array_equal(np.load(ck + ".out.npy"), np.load(str(tmp_path / "ref") + ".out.npy"))
+
+
+def test_factory_methods_refuse_bad_input_and_write_nothing(tmp_path):
+    model = nn.Module()
+    model.emb = nn.Embedding(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    sw = so.PytorchModelFactory(model.emb, 20, 3, deviceType="cpu")
+    of = so.PytorchOptimizerFactory(opt, 20, 3, model, "emb", deviceType="cpu")
+    with pytest.raises(RuntimeError, match="no table yet"):
+        sw.beforeForwardPass(np.array([1, 2]))
+    sw.normalDistributionInit(0, 1)
+    of.optInit()
+    for t in of.pytorchGPUVar:
+        t.normal_()
+    table_before, state_before = sw.getNumpyVersion(), of.getNumpyVersion()
+    for bad in (np.array([0, 20]), np.array([-1, 3]), np.array([1.5, 2.0])):
+        with pytest.raises((RuntimeError, TypeError)):
+            sw.beforeForwardPass(bad)
+        with pytest.raises((RuntimeError, TypeError)):
+            of.beforeForwardPass(bad)
+    assert np.array_equal(sw.getNumpyVersion(), table_before)
+    assert np.array_equal(of.getNumpyVersion(), state_before)
+
+    np.save(tmp_path / "g.npy", np.arange(12, dtype=np.float32).reshape(6, 2))
+    gadget = so.DataGadget(str(tmp_path / "g.npy"), CPUPinn=True)
+    gadget.gadgetInit()
+    before = gadget.getNumpyVersion()
+    with pytest.raises(RuntimeError, match="out of range"):
+        gadget.getData(np.array([1, 6]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        gadget.insertData(torch.zeros(2, 2), np.array([1, 6]))
+    with pytest.raises(RuntimeError):
+        gadget.insertData(torch.zeros(3, 2), np.array([1, 2]))  # 3 rows for 2 ids
+    assert np.array_equal(gadget.getNumpyVersion(), before)
