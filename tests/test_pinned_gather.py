@@ -107,3 +107,18 @@ def test_gather_past_2_31_rows(store):
     # rows - 1 was written twice: the last write (55) wins.
     assert out.flatten().tolist() == [55, 22, 33, 44, 55]
     del table
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("row_shape", [(), (3,), (128,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.bfloat16, torch.float64])
+def test_large_batches_with_repeats(store, row_shape, dtype, gen):
+    """Batches long enough for the sorted, read-each-row-once path of host-mapped tables."""
+    data = random_rows((5000, *row_shape), dtype, gen)
+    table = place(data, store)
+    index = random_index(20000, 5000, torch.int64, store, gen)  # every row ~4 times
+    out = speedtorch_ops.pinned_gather(table, index)
+    assert torch.equal(out.cpu(), data[index.cpu()]), f"seed {gen.initial_seed()}"
+    batch = [torch.zeros(20000, *row_shape, dtype=dtype, device=index.device)]
+    speedtorch_ops.optimizer_state_swap([table], batch, None, index)
+    assert torch.equal(batch[0].cpu(), data[index.cpu()])

@@ -27,6 +27,20 @@ int grid_for(int64_t n, int team_log2, int sm_count) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{sm_count} * 16)));
 }
 
+// Calls go(V{}) with the widest access V (up to 16 bytes) that divides the row size and both
+// base addresses; rows that are not a multiple of 16 bytes take a narrower, never a wrong, path.
+template <typename Go>
+cudaError_t by_vector_width(const void* dst, const void* src, int64_t row_bytes, const Go& go) {
+  const auto align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) |
+                                          reinterpret_cast<uintptr_t>(src)) |
+                     row_bytes;
+  if (align % 16 == 0) return go(uint4{});
+  if (align % 8 == 0) return go(uint2{});
+  if (align % 4 == 0) return go(uint32_t{});
+  if (align % 2 == 0) return go(uint16_t{});
+  return go(uint8_t{});
+}
+
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
                                 int arg, int64_t* __restrict__ status) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -62,6 +76,43 @@ __global__ void copy_rows_kernel(char* __restrict__ dst, const int64_t* __restri
     V* to = reinterpret_cast<V*>(dst) + d * row_vecs;
     for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) to[c] = from[c];
   }
+}
+
+// Gather in sorted order, each distinct row read once: sorted[j] holds the rows in ascending
+// order and perm[j] the output slot of each. The first position of a run reads the row (over
+// PCIe for a mapped host table) and writes it to every slot of the run.
+template <typename V>
+__global__ void gather_sorted_kernel(char* __restrict__ dst, const char* __restrict__ src,
+                                     const int64_t* __restrict__ sorted,
+                                     const int64_t* __restrict__ perm, int64_t n,
+                                     int64_t row_vecs, int team_log2,
+                                     const int64_t* __restrict__ status) {
+  if (status[0] != 0) return;
+  const int lane = threadIdx.x & ((1 << team_log2) - 1);
+  const int64_t teams_per_block = blockDim.x >> team_log2;
+  const int64_t stride = gridDim.x * teams_per_block;
+  for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
+    const int64_t row = sorted[j];
+    if (j > 0 && sorted[j - 1] == row) continue;
+    int64_t end = j + 1;
+    while (end < n && sorted[end] == row) ++end;
+    const V* from = reinterpret_cast<const V*>(src) + row * row_vecs;
+    for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) {
+      const V value = from[c];
+      for (int64_t k = j; k < end; ++k) reinterpret_cast<V*>(dst)[perm[k] * row_vecs + c] = value;
+    }
+  }
+}
+
+template <typename V>
+cudaError_t gather_sorted_as(char* dst, const char* src, const int64_t* sorted,
+                             const int64_t* perm, int64_t n, int64_t row_bytes,
+                             const int64_t* status, int sm_count, cudaStream_t stream) {
+  const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
+  const int team_log2 = team_log2_for(row_vecs);
+  gather_sorted_kernel<V><<<grid_for(n, team_log2, sm_count), kThreads, 0, stream>>>(
+      dst, src, sorted, perm, n, row_vecs, team_log2, status);
+  return cudaGetLastError();
 }
 
 template <typename V>
@@ -139,20 +190,19 @@ cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
                              const int64_t* src_idx, int64_t n, int64_t row_bytes,
                              bool last_of_run, const int64_t* status, int sm_count,
                              cudaStream_t stream) {
-  // The widest access (up to 16 bytes) that divides the row size and both base addresses;
-  // rows that are not a multiple of 16 bytes take a narrower, never a wrong, path.
-  const auto align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) |
-                                          reinterpret_cast<uintptr_t>(src)) |
-                     row_bytes;
-  const auto go = [&](auto vec) {
+  return by_vector_width(dst, src, row_bytes, [&](auto vec) {
     return copy_rows_as<decltype(vec)>(dst, dst_idx, src, src_idx, n, row_bytes, last_of_run,
                                        status, sm_count, stream);
-  };
-  if (align % 16 == 0) return go(uint4{});
-  if (align % 8 == 0) return go(uint2{});
-  if (align % 4 == 0) return go(uint32_t{});
-  if (align % 2 == 0) return go(uint16_t{});
-  return go(uint8_t{});
+  });
+}
+
+cudaError_t launch_gather_sorted(char* dst, const char* src, const int64_t* sorted,
+                                 const int64_t* perm, int64_t n, int64_t row_bytes,
+                                 const int64_t* status, int sm_count, cudaStream_t stream) {
+  return by_vector_width(dst, src, row_bytes, [&](auto vec) {
+    return gather_sorted_as<decltype(vec)>(dst, src, sorted, perm, n, row_bytes, status, sm_count,
+                                           stream);
+  });
 }
 
 cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const char* src,

@@ -26,6 +26,12 @@ cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
                              bool last_of_run, const int64_t* status, int sm_count,
                              cudaStream_t stream);
 
+// out[perm[j]] = src row sorted[j] for j in [0, n), with `sorted` ascending: rows are read in
+// address order and each distinct row once (a repeated row crosses PCIe once).
+cudaError_t launch_gather_sorted(char* dst, const char* src, const int64_t* sorted,
+                                 const int64_t* perm, int64_t n, int64_t row_bytes,
+                                 const int64_t* status, int sm_count, cudaStream_t stream);
+
 // Element types of accumulate.
 enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };
 
