@@ -1,5 +1,6 @@
-// Row copies for the CPU kernels. Common row sizes get a fixed-size memcpy, which the compiler
-// turns into a few vector moves instead of a libc call per row.
+// Row copies for the CPU kernels. Small common row sizes get a fixed-size memcpy, which the
+// compiler turns into a few vector moves instead of a libc call per row. Not 256 B and up: g++
+// turns those into `rep movs`, measured 1.5x slower than libc's memcpy for 512 B rows.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +28,6 @@ inline void copy_rows_cpu(char* dst, const char* src, int64_t row_bytes, int64_t
     case 32: return loop(std::integral_constant<int64_t, 32>{});
     case 64: return loop(std::integral_constant<int64_t, 64>{});
     case 128: return loop(std::integral_constant<int64_t, 128>{});
-    case 256: return loop(std::integral_constant<int64_t, 256>{});
-    case 512: return loop(std::integral_constant<int64_t, 512>{});
     default: return loop(std::integral_constant<int64_t, 0>{});
   }
 }
