@@ -63,6 +63,7 @@ __global__ void copy_rows_kernel(char* __restrict__ dst, const int64_t* __restri
                                  const char* __restrict__ src,
                                  const int64_t* __restrict__ src_idx, int64_t n,
                                  int64_t row_vecs, int team_log2, bool last_of_run,
+                                 const int32_t* __restrict__ winner,
                                  const int64_t* __restrict__ status) {
   if (status[0] != 0) return;  // a bad index: write nothing
   const int lane = threadIdx.x & ((1 << team_log2) - 1);
@@ -71,6 +72,7 @@ __global__ void copy_rows_kernel(char* __restrict__ dst, const int64_t* __restri
   for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) continue;
     const int64_t d = dst_idx ? dst_idx[j] : j;
+    if (winner != nullptr && winner[d] != j) continue;  // a later position writes this row
     const int64_t s = src_idx ? src_idx[j] : j;
     const V* from = reinterpret_cast<const V*>(src) + s * row_vecs;
     V* to = reinterpret_cast<V*>(dst) + d * row_vecs;
@@ -115,14 +117,27 @@ cudaError_t gather_sorted_as(char* dst, const char* src, const int64_t* sorted,
   return cudaGetLastError();
 }
 
+// winner[row] = the last position j with idx[j] == row (atomicMax), for a scatter in which the
+// last duplicate wins without sorting. Runs after validation: with a bad index it does nothing.
+__global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n,
+                                 int32_t* __restrict__ winner,
+                                 const int64_t* __restrict__ status) {
+  if (status[0] != 0) return;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    atomicMax(winner + idx[i], static_cast<int32_t>(i));
+  }
+}
+
 template <typename V>
 cudaError_t copy_rows_as(char* dst, const int64_t* dst_idx, const char* src,
                          const int64_t* src_idx, int64_t n, int64_t row_bytes, bool last_of_run,
-                         const int64_t* status, int sm_count, cudaStream_t stream) {
+                         const int32_t* winner, const int64_t* status, int sm_count,
+                         cudaStream_t stream) {
   const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
   const int team_log2 = team_log2_for(row_vecs);
   copy_rows_kernel<V><<<grid_for(n, team_log2, sm_count), kThreads, 0, stream>>>(
-      dst, dst_idx, src, src_idx, n, row_vecs, team_log2, last_of_run, status);
+      dst, dst_idx, src, src_idx, n, row_vecs, team_log2, last_of_run, winner, status);
   return cudaGetLastError();
 }
 
@@ -188,12 +203,20 @@ cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg
 
 cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
                              const int64_t* src_idx, int64_t n, int64_t row_bytes,
-                             bool last_of_run, const int64_t* status, int sm_count,
-                             cudaStream_t stream) {
+                             bool last_of_run, const int32_t* winner, const int64_t* status,
+                             int sm_count, cudaStream_t stream) {
   return by_vector_width(dst, src, row_bytes, [&](auto vec) {
     return copy_rows_as<decltype(vec)>(dst, dst_idx, src, src_idx, n, row_bytes, last_of_run,
-                                       status, sm_count, stream);
+                                       winner, status, sm_count, stream);
   });
+}
+
+cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
+                             const int64_t* status, cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
+  mark_last_kernel<<<static_cast<int>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream>>>(
+      idx, n, winner, status);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_gather_sorted(char* dst, const char* src, const int64_t* sorted,

@@ -19,12 +19,18 @@ cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg
 
 // For j in [0, n): dst row (dst_idx ? dst_idx[j] : j) = src row (src_idx ? src_idx[j] : j).
 // last_of_run: dst_idx is sorted (stably) and j is skipped when dst_idx[j + 1] == dst_idx[j],
-// so the last duplicate in the caller's order wins. Pointers are device-visible addresses
-// (device memory, or mapped pinned host memory).
+// so the last duplicate in the caller's order wins. winner (or nullptr): j is skipped unless
+// winner[dst row] == j (see launch_mark_last). Pointers are device-visible addresses (device
+// memory, or mapped pinned host memory).
 cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
                              const int64_t* src_idx, int64_t n, int64_t row_bytes,
-                             bool last_of_run, const int64_t* status, int sm_count,
-                             cudaStream_t stream);
+                             bool last_of_run, const int32_t* winner, const int64_t* status,
+                             int sm_count, cudaStream_t stream);
+
+// winner[idx[i]] = max(winner[idx[i]], i) for i in [0, n) (winner preset to -1, n < 2^31):
+// the last position of each row, so a scatter can let the last duplicate win without a sort.
+cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
+                             const int64_t* status, cudaStream_t stream);
 
 // out[perm[j]] = src row sorted[j] for j in [0, n), with `sorted` ascending: rows are read in
 // address order and each distinct row once (a repeated row crosses PCIe once).

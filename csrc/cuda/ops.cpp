@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <limits>
 
 namespace speedtorch_ops {
 namespace {
@@ -129,15 +130,35 @@ void gather_rows_cuda(const char* src, bool host_table, int64_t rb, const at::Te
     return;
   }
   C10_CUDA_CHECK(cuda::launch_copy_rows(dst, nullptr, src, idx.const_data_ptr<int64_t>(),
-                                        idx.numel(), rb, false, v.status(), v.sm_count(),
+                                        idx.numel(), rb, false, nullptr, v.status(), v.sm_count(),
                                         v.stream()));
 }
 
-// Scatter with deterministic duplicates: a stable sort groups equal rows in the caller's order.
+// A scatter into device memory marks each row's last position in a scratch array of one int32
+// per table row instead of sorting (a sort costs more than the copy itself there); above this
+// many table rows (256 MiB of scratch) it sorts like a host-mapped table, where sorted writes
+// also help PCIe.
+constexpr int64_t kMarkLastMaxRows = int64_t{64} << 20;
+
+// Scatter with deterministic duplicates: the last one in the caller's order wins (marked, or
+// found by a stable sort), and accumulate adds each row's values in index order (sorted).
 void scatter_rows_cuda(char* dst, const at::Tensor& table, const at::Tensor& idx,
                        const at::Tensor& src, bool accumulate, const Validation& v) {
   const int64_t rb = row_bytes(table);
   if (idx.numel() == 0 || rb == 0) return;
+  if (!accumulate && table.is_cuda() && table.size(0) <= kMarkLastMaxRows &&
+      idx.numel() < std::numeric_limits<int32_t>::max()) {
+    auto winner = at::empty({table.size(0)}, idx.options().dtype(at::kInt));
+    C10_CUDA_CHECK(cudaMemsetAsync(winner.mutable_data_ptr(), 0xff, winner.nbytes(), v.stream()));
+    C10_CUDA_CHECK(cuda::launch_mark_last(idx.const_data_ptr<int64_t>(), idx.numel(),
+                                          winner.mutable_data_ptr<int32_t>(), v.status(),
+                                          v.stream()));
+    C10_CUDA_CHECK(cuda::launch_copy_rows(
+        dst, idx.const_data_ptr<int64_t>(), static_cast<const char*>(src.const_data_ptr()),
+        nullptr, idx.numel(), rb, /*last_of_run=*/false, winner.const_data_ptr<int32_t>(),
+        v.status(), v.sm_count(), v.stream()));
+    return;
+  }
   const auto [sorted, perm] = at::sort(idx, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto* s = static_cast<const char*>(src.const_data_ptr());
   if (accumulate) {
@@ -148,8 +169,8 @@ void scatter_rows_cuda(char* dst, const at::Tensor& table, const at::Tensor& idx
   } else {
     C10_CUDA_CHECK(cuda::launch_copy_rows(dst, sorted.const_data_ptr<int64_t>(), s,
                                           perm.const_data_ptr<int64_t>(), idx.numel(), rb,
-                                          /*last_of_run=*/true, v.status(), v.sm_count(),
-                                          v.stream()));
+                                          /*last_of_run=*/true, nullptr, v.status(),
+                                          v.sm_count(), v.stream()));
   }
 }
 
