@@ -106,7 +106,7 @@ class Plan:
     def __init__(self, ids, device: torch.device):
         index = torch.as_tensor(ids)
         check_ids_dtype(index)
-        self.cpu = index.reshape(-1).to(torch.int64)
+        self.cpu = index.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
         self.device = device
         self.index = self._upload(device) if device.type != "cpu" else self.cpu
         self._owner: Optional[Tensor] = None
@@ -159,7 +159,7 @@ def plan_for(pos, neg, device: torch.device) -> Plan:
     ids are uploaded and sorted once per step."""
     ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1)
     check_ids_dtype(ids)
-    ids = ids.to(torch.int64)
+    ids = ids.to("cpu", torch.int64)
     for plan in _recent:
         if plan.device == device and torch.equal(ids, plan.cpu):
             return plan

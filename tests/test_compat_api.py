@@ -300,3 +300,20 @@ def test_factory_methods_refuse_bad_input_and_write_nothing(tmp_path):
     with pytest.raises(RuntimeError):
         gadget.insertData(torch.zeros(3, 2), np.array([1, 2]))  # 3 rows for 2 ids
     assert np.array_equal(gadget.getNumpyVersion(), before)
+
+
+def test_ids_as_torch_tensors_on_any_device(gen):
+    """Ids may be NumPy arrays or torch tensors (on the CPU or the GPU)."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    emb = nn.Embedding(4, 3)
+    sw = so.PytorchModelFactory(emb, 20, 3, deviceType="cpu")
+    sw.normalDistributionInit(0, 1)
+    ids = torch.tensor([3, 19, 3, 0], device=device)
+    sw.beforeForwardPass(ids)
+    assert torch.equal(emb.weight.data, sw.pytorchGPUVar[ids.cpu()])
+    with torch.no_grad():
+        emb.weight.add_(1.0)
+    expected = sw.getNumpyVersion()
+    expected[[3, 19, 0]] += 1.0
+    sw.afterOptimizerStep(ids)
+    assert np.allclose(sw.getNumpyVersion(), expected)
