@@ -184,34 +184,38 @@ def zero_copy(table: Tensor) -> bool:
                              and table.is_pinned())
 
 
+def op_device(table: Tensor, device: torch.device) -> torch.device:
+    """Where a transfer between `table` and rows on `device` runs: on the table's GPU, on the
+    rows' GPU for a host table it can address in place, else on the CPU."""
+    if table.is_cuda:
+        return table.device
+    return device if device.type == "cuda" and zero_copy(table) else torch.device("cpu")
+
+
 def gather(table: Tensor, plan: Plan, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Rows plan.index of `table` as a new tensor on `device`, in `dtype`."""
     plan.check(table.shape[0])
     with ops.host_validated():
-        if table.is_cuda or (device.type == "cuda" and zero_copy(table)):
-            where = table.device if table.is_cuda else device
-            rows = ops.pinned_gather(table, plan.on(where))
-        else:  # host table without mapped memory, or a CPU model: the multithreaded CPU gather
-            rows = ops.pinned_gather(table, plan.cpu)
+        rows = ops.pinned_gather(table, plan.on(op_device(table, device)))
     return rows.to(device=device, dtype=dtype, non_blocking=True)
 
 
-def scatter(table: Tensor, plan: Plan, rows: Tensor) -> None:
-    """table[plan.index] = rows, every slot of a row writing its owner's values."""
+def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> None:
+    """table[plan.index] = rows. With `owners`, every slot of a row writes its owner's values
+    (the factories' duplicate rule); without, the last duplicate wins."""
     plan.check(table.shape[0])
-    rows = rows.detach()[plan.owner.to(rows.device)]
+    rows = rows.detach()
+    if owners:
+        rows = rows[plan.owner.to(rows.device)]
+    where = op_device(table, rows.device)
     with ops.host_validated():
-        if table.is_cuda or (rows.is_cuda and zero_copy(table)):
-            where = table.device if table.is_cuda else rows.device
-            ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
-        else:
-            ops.pinned_scatter(table, plan.cpu, rows.to("cpu", table.dtype))
+        ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
 
 
-def check_loaded(name: str, loaded: Tensor, expected: Tensor) -> None:
-    if tuple(loaded.shape) != tuple(expected.shape) or loaded.dtype != expected.dtype:
+def check_loaded(name: str, loaded: Tensor, shape, dtype: torch.dtype) -> None:
+    if tuple(loaded.shape) != tuple(shape) or loaded.dtype != dtype:
         raise ValueError(f"{name}: the file holds {tuple(loaded.shape)} {loaded.dtype}, but this "
-                         f"store is {tuple(expected.shape)} {expected.dtype}")
+                         f"store is {tuple(shape)} {dtype}")
 
 
 # ---- optimizer state -----------------------------------------------------------------------

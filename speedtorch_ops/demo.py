@@ -102,6 +102,14 @@ def progress(iterable, total):
         return iterable
 
 
+def batch_source(a, corpus):
+    """step -> batch: fresh draws, or with --reuse-batches 64 batches drawn ahead and cycled."""
+    if not a.reuse_batches:
+        return lambda step: corpus.batch(a.batch, a.negatives)
+    batches = [corpus.batch(a.batch, a.negatives) for _ in range(min(a.steps, 64))]
+    return lambda step: batches[step % len(batches)]
+
+
 def train_switchers(a, corpus, device):
     """The tables in pinned host memory (ordinary memory without a GPU), Adam state too."""
     B, N = a.batch, a.negatives
@@ -121,10 +129,10 @@ def train_switchers(a, corpus, device):
     state_tables = len(u_opt.optVarList)
 
     losses = []
-    batches = [corpus.batch(B, N) for _ in range(min(a.steps, 64))]  # reused round-robin
+    next_batch = batch_source(a, corpus)
     start = time.perf_counter()
     for step in progress(range(a.steps), a.steps):
-        labels, ctx, negs = batches[step % len(batches)] if a.reuse_batches else corpus.batch(B, N)
+        labels, ctx, negs = next_batch(step)
         with torch.no_grad():
             u_sw.beforeForwardPass(labels)
             v_sw.beforeForwardPass(ctx, negs)
@@ -154,13 +162,12 @@ def train_switchers(a, corpus, device):
 def train_all_on_gpu(a, corpus, device):
     """Plain PyTorch baseline: the full tables on the GPU, sparse gradients, SparseAdam (the same
     lazy semantics as the switchers with Adam)."""
-    B, N = a.batch, a.negatives
     model = SkipGram(a.vocab, a.vocab, a.dim, sparse=True).to(device)
     optimizer = torch.optim.SparseAdam(model.parameters(), lr=a.lr)
-    batches = [corpus.batch(B, N) for _ in range(min(a.steps, 64))]
+    next_batch = batch_source(a, corpus)
     start = time.perf_counter()
     for step in range(a.steps):
-        labels, ctx, negs = batches[step % len(batches)] if a.reuse_batches else corpus.batch(B, N)
+        labels, ctx, negs = next_batch(step)
         ids = [torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in (labels, ctx, negs)]
         optimizer.zero_grad(set_to_none=True)
         model(*ids).backward()

@@ -70,9 +70,7 @@ class _TableMethods:
     def _load_into(self, loaded: Tensor, name: str) -> None:
         tables = self._tables()
         shape = (len(tables), *tables[0].shape) if self._is_list() else tuple(tables[0].shape)
-        if tuple(loaded.shape) != shape or loaded.dtype != tables[0].dtype:
-            raise ValueError(f"{name}: the file holds {tuple(loaded.shape)} {loaded.dtype}, but "
-                             f"this store is {shape} {tables[0].dtype}")
+        sw.check_loaded(name, loaded, shape, tables[0].dtype)
         for table, part in zip(tables, loaded if self._is_list() else [loaded]):
             table.copy_(part)
 
@@ -84,7 +82,7 @@ class _TableMethods:
 
     def state_dict(self) -> dict:
         """The store(s), for checkpoints (``torch.save`` keeps pinned tensors as ordinary ones)."""
-        return {"tables": [t for t in self._tables()]}
+        return {"tables": list(self._tables())}
 
     def load_state_dict(self, state_dict: dict) -> None:
         tables = self._tables()
@@ -92,7 +90,7 @@ class _TableMethods:
         if len(loaded) != len(tables):
             raise ValueError(f"checkpoint has {len(loaded)} tables, this store {len(tables)}")
         for i, (table, value) in enumerate(zip(tables, loaded)):
-            sw.check_loaded(f"tables[{i}]", value, table)
+            sw.check_loaded(f"tables[{i}]", value, table.shape, table.dtype)
         for table, value in zip(tables, loaded):
             table.copy_(value)
 
@@ -289,13 +287,8 @@ class _GadgetBase(_TableMethods):
             table[indexes] = dataObject.to(table.device, table.dtype)
             return
         plan = sw.Plan(indexes, dataObject.device)
-        plan.check(table.shape[0])
-        where = (table.device if table.is_cuda else
-                 dataObject.device if dataObject.is_cuda and sw.zero_copy(table) else
-                 torch.device("cpu"))
-        rows = dataObject.detach().to(where, table.dtype).reshape(plan.cpu.numel(), *table.shape[1:])
-        with ops.host_validated():
-            ops.pinned_scatter(table, plan.on(where), rows)
+        rows = dataObject.reshape(plan.cpu.numel(), *table.shape[1:])
+        sw.scatter(table, plan, rows, owners=False)
 
 
 # ---- the CuPy-named family (0.1.6 CUPYLive.py) ---------------------------------------------

@@ -3,8 +3,6 @@ plain PyTorch. Short in CI; SPEEDTORCH_OPS_LONG=1 runs ~10^4 cases per test."""
 
 import os
 
-import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
