@@ -212,6 +212,15 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
         ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
 
 
+def swap(stores: list, batch: list, plan: Plan, device: torch.device, load: bool) -> None:
+    """One optimizer_state_swap for every state tensor: load rows plan.index into `batch`, or
+    write `batch` back to them."""
+    plan.check(stores[0].shape[0])
+    index = plan.on(device)
+    with ops.host_validated():
+        ops.optimizer_state_swap(stores, batch, None if load else index, index if load else None)
+
+
 def check_loaded(name: str, loaded: Tensor, shape, dtype: torch.dtype) -> None:
     if tuple(loaded.shape) != tuple(shape) or loaded.dtype != dtype:
         raise ValueError(f"{name}: the file holds {tuple(loaded.shape)} {loaded.dtype}, but this "

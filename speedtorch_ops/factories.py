@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from . import _switch as sw
-from . import ops
 from .memory import load_npy
 
 
@@ -208,9 +207,7 @@ class _OptimizerSwitcher(_TableMethods):
         if not batch:
             return
         if self._swappable(device):
-            self._plan.check(self.total_classes)
-            with ops.host_validated():
-                ops.optimizer_state_swap(stores, batch, None, self._plan.on(device))
+            sw.swap(stores, batch, self._plan, device, load=True)
         else:
             for store, b in zip(stores, batch):
                 b.copy_(sw.gather(store, self._plan, device, b.dtype))
@@ -225,9 +222,7 @@ class _OptimizerSwitcher(_TableMethods):
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]
-            plan.check(self.total_classes)
-            with ops.host_validated():
-                ops.optimizer_state_swap(stores, rows, plan.on(device), None)
+            sw.swap(stores, rows, plan, device, load=False)
         else:
             for store, key in zip(stores, self.optVarList):
                 sw.scatter(store, plan, state[key])
