@@ -10,36 +10,12 @@ against plain PyTorch indexing before it is timed. Writes a table and seed_table
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import speedtorch_ops
-
-
-def timed(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def cupy_view(table):
-    """The original SpeedTorch technique: a CuPy array over the pinned table (UVA)."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    mem = cupy.cuda.UnownedMemory(table.data_ptr(), table.nbytes, table)
-    return cupy, cupy.ndarray(table.shape, cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+from _timing import cupy_view, timed
 
 
 def main():
@@ -116,6 +92,14 @@ def main():
 
     for threads in a.threads:
         torch.set_num_threads(threads)
+        # Ours with the index on the CPU: CPU threads + DMA share the rows with the zero-copy
+        # kernel (the split tunes itself over the warm-up calls).
+        speedtorch_ops.pinned_gather_into(table, idx_cpu, var)
+        torch.cuda.synchronize()
+        check_to_var("ours hybrid")
+        row(f"speedtorch_ops pinned store, CPU index (hybrid), {threads} threads",
+            timed(lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var), a.reps, 12),
+            timed(lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), a.reps, 12))
         def recipe_to():
             torch.index_select(table, 0, idx_cpu, out=staging)
             var.copy_(staging, non_blocking=True)

@@ -3,6 +3,10 @@
 #include <torch/library.h>
 
 #include "speedtorch_ops/checks.h"
+#ifdef SPEEDTORCH_OPS_WITH_CUDA
+#include "cuda/hybrid.h"
+#include "cuda/transfer.h"
+#endif
 
 TORCH_LIBRARY(speedtorch_ops, m) {
   // The transfer ops pass opcheck (schema, fake, autograd registration, AOT dispatch) and are
@@ -29,4 +33,12 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // thread, CUDA calls then skip the wait that turns a device-side bad-index flag into an
   // exception (a bad index still writes nothing). Returns the previous setting.
   m.def("_set_index_wait(bool enabled) -> bool", &speedtorch_ops::set_index_wait);
+#ifdef SPEEDTORCH_OPS_WITH_CUDA
+  // The most SMs the transfer kernels may use (0: no cap, the default), so transfers can run
+  // beside training kernels. Process-wide; returns the previous setting.
+  m.def("_set_transfer_sm_limit(int sms) -> int", &speedtorch_ops::cuda_impl::set_transfer_sm_limit);
+  // Test hook of the hybrid path (CPU indices, host tables, rows on a GPU): the share of rows
+  // the zero-copy kernels move, fixed in [0, 1], or negative for the automatic split.
+  m.def("_set_hybrid_share(float share) -> float", &speedtorch_ops::cuda_impl::set_hybrid_share);
+#endif
 }

@@ -16,7 +16,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
     ) from e
 
 from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
-from .ops import optimizer_state_swap, pinned_gather, pinned_gather_into, pinned_scatter
+from .ops import (optimizer_state_swap, pinned_gather, pinned_gather_into, pinned_scatter,
+                  set_transfer_sm_limit, transfer_sm_limit)
 from .factories import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
                         CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
                         GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
@@ -28,6 +29,8 @@ __all__ = [
     "pinned_gather_into",
     "pinned_scatter",
     "optimizer_state_swap",
+    "set_transfer_sm_limit",
+    "transfer_sm_limit",
     "empty_pinned",
     "pin_",
     "load_npy",

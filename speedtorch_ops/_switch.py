@@ -179,24 +179,29 @@ def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
     return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
 
 
-def zero_copy(table: Tensor) -> bool:
-    return table.is_cuda or (table.device.type == "cpu" and torch.cuda.is_available()
-                             and table.is_pinned())
+def hybrid(table: Tensor, device: torch.device) -> bool:
+    """A host table with rows on a GPU: the ops take the ids on the CPU, where they already are,
+    and split the rows between CPU threads (+ DMA) and the zero-copy kernels."""
+    return not table.is_cuda and device.type == "cuda"
 
 
-def op_device(table: Tensor, device: torch.device) -> torch.device:
-    """Where a transfer between `table` and rows on `device` runs: on the table's GPU, on the
-    rows' GPU for a host table it can address in place, else on the CPU."""
+def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
+    """The index to pass with rows on `device`: on the CPU for a host table, else on the
+    table's GPU (a CUDA table with CPU rows moves on its GPU)."""
     if table.is_cuda:
-        return table.device
-    return device if device.type == "cuda" and zero_copy(table) else torch.device("cpu")
+        return plan.on(table.device)
+    return plan.cpu
 
 
 def gather(table: Tensor, plan: Plan, device: torch.device, dtype: torch.dtype) -> Tensor:
     """Rows plan.index of `table` as a new tensor on `device`, in `dtype`."""
     plan.check(table.shape[0])
+    if hybrid(table, device):
+        rows = torch.empty((plan.cpu.numel(), *table.shape[1:]), dtype=table.dtype, device=device)
+        ops.pinned_gather_into(table, plan.cpu, rows)
+        return rows.to(dtype)
     with ops.host_validated():
-        rows = ops.pinned_gather(table, plan.on(op_device(table, device)))
+        rows = ops.pinned_gather(table, index_for(table, plan, device))
     return rows.to(device=device, dtype=dtype, non_blocking=True)
 
 
@@ -207,16 +212,22 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
     rows = rows.detach()
     if owners:
         rows = rows[plan.owner.to(rows.device)]
-    where = op_device(table, rows.device)
+    index = index_for(table, plan, rows.device)
+    where = rows.device if hybrid(table, rows.device) else index.device
     with ops.host_validated():
-        ops.pinned_scatter(table, plan.on(where), rows.to(where, table.dtype))
+        ops.pinned_scatter(table, index, rows.to(where, table.dtype))
+
+
+def swappable(store: Tensor, device: torch.device) -> bool:
+    """Whether optimizer_state_swap moves rows between `store` and batch tensors on `device`."""
+    return store.device == device if store.is_cuda else True
 
 
 def swap(stores: list, batch: list, plan: Plan, device: torch.device, load: bool) -> None:
     """One optimizer_state_swap for every state tensor: load rows plan.index into `batch`, or
     write `batch` back to them."""
     plan.check(stores[0].shape[0])
-    index = plan.on(device)
+    index = index_for(stores[0], plan, device)
     with ops.host_validated():
         ops.optimizer_state_swap(stores, batch, None if load else index, index if load else None)
 

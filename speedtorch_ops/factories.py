@@ -184,12 +184,10 @@ class _OptimizerSwitcher(_TableMethods):
         setattr(self, self._attr, self._new_tables())
 
     def _swappable(self, device: torch.device) -> bool:
-        """One optimizer_state_swap call serves every state tensor: same dtypes, and a store the
-        batch's device can address."""
+        """One optimizer_state_swap call serves every state tensor: same dtypes, and stores the
+        batch's device can exchange rows with."""
         stores = self._tables() if self.optVarList else []
-        return all(s.dtype == self._param.dtype and (
-            s.device == device if s.is_cuda else
-            (device.type == "cpu" or sw.zero_copy(s))) for s in stores)
+        return all(s.dtype == self._param.dtype and sw.swappable(s, device) for s in stores)
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         stores = self._tables() if self.optVarList else []

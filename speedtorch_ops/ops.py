@@ -26,9 +26,13 @@ def pinned_gather(table: Tensor, index: Tensor) -> Tensor:
 
 
 def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor) -> None:
-    """``out[:] = table[index]`` into a caller-provided contiguous tensor on ``index``'s device.
+    """``out[:] = table[index]`` into a caller-provided contiguous tensor.
 
-    Allocates nothing (training loops, CUDA-graph capture). Mutates ``out``; not differentiable.
+    ``out`` on ``index``'s device allocates nothing (training loops, CUDA-graph capture). A CPU
+    ``index`` with a host ``table`` and a CUDA ``out`` takes the hybrid path: CPU threads and the
+    copy engine move part of the rows while the zero-copy kernel moves the rest (the split
+    adapts by itself); the call returns when the CPU's part is done. Mutates ``out``; not
+    differentiable.
     """
     _ops.pinned_gather_into.default(table, index, out)
 
@@ -37,8 +41,10 @@ def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool =
     """``table[index[i]] = src[i]`` in place (``+=`` with ``accumulate``).
 
     ``table`` as for :func:`pinned_gather`; ``src`` has shape ``(len(index), *table.shape[1:])``,
-    the table's dtype, on ``index``'s device. Duplicate indices are deterministic: without
-    ``accumulate`` the last occurrence wins, with it all add up in index order.
+    the table's dtype, on ``index``'s device (or on a GPU with a CPU ``index`` and a host
+    ``table``: the hybrid path, as in :func:`pinned_gather_into`). Duplicate indices are
+    deterministic: without ``accumulate`` the last occurrence wins, with it all add up in index
+    order.
     """
     _ops.pinned_scatter.default(table, index, src, accumulate)
 
@@ -51,7 +57,9 @@ def optimizer_state_swap(
 ) -> None:
     """For every pair ``(stores[k], batch[k])``: write ``batch[k]`` to rows ``writeback_index`` of
     ``stores[k]``, then load rows ``load_index`` into ``batch[k]``. Either index may be None. A
-    row in both indices is written back before it is loaded. Mutates both lists."""
+    row in both indices is written back before it is loaded. Mutates both lists. With host
+    stores, GPU batch tensors and CPU indices, it takes the hybrid path (see
+    :func:`pinned_gather_into`)."""
     _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index)
 
 
@@ -65,6 +73,25 @@ def host_validated() -> Iterator[None]:
         yield
     finally:
         _ops._set_index_wait.default(previous)
+
+
+def set_transfer_sm_limit(sms: int) -> int:
+    """Cap the SMs the CUDA transfer kernels use (one 1024-thread block per allowed SM), so
+    transfers can overlap with training kernels; 0 (the default) removes the cap. Process-wide.
+    Returns the previous cap. Needs the CUDA build."""
+    if not hasattr(_ops, "_set_transfer_sm_limit"):
+        raise RuntimeError("set_transfer_sm_limit needs speedtorch_ops built with CUDA")
+    return int(_ops._set_transfer_sm_limit.default(int(sms)))
+
+
+@contextlib.contextmanager
+def transfer_sm_limit(sms: int) -> Iterator[None]:
+    """``with transfer_sm_limit(8): ...`` -- :func:`set_transfer_sm_limit` for a block."""
+    previous = set_transfer_sm_limit(sms)
+    try:
+        yield
+    finally:
+        set_transfer_sm_limit(previous)
 
 
 # ---- fakes: shapes, dtypes and devices only; they read no data -------------------------------

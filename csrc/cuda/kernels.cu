@@ -20,25 +20,57 @@ int team_log2_for(int64_t row_units) {
   return log2;
 }
 
-int grid_for(int64_t n, int team_log2, int sm_count) {
-  const int64_t rows_per_block = kThreads >> team_log2;
-  const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
-  // Enough blocks to fill every SM a few times over; the kernels stride over the rest.
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{sm_count} * 16)));
+constexpr int kCappedThreads = 1024;
+
+struct Shape {
+  int blocks;
+  int threads;
+};
+
+// The launch shape of a transfer kernel over `items` rows (see Grid); the kernels stride over
+// whatever the grid does not cover.
+Shape shape_for(int64_t items, int team_log2, Grid grid) {
+  const int threads = grid.capped ? kCappedThreads : kThreads;
+  const int64_t items_per_block = threads >> team_log2;
+  const int64_t needed = (items + items_per_block - 1) / items_per_block;
+  const int64_t most = grid.capped ? grid.sms : int64_t{grid.sms} * 16;
+  return {static_cast<int>(std::max<int64_t>(1, std::min(needed, most))), threads};
 }
 
-// Calls go(V{}) with the widest access V (up to 16 bytes) that divides the row size and both
-// base addresses; rows that are not a multiple of 16 bytes take a narrower, never a wrong, path.
+// Calls go(V{}) with the widest access V (up to 16 bytes) that divides every table's row size
+// and base addresses; rows that are not a multiple of 16 bytes take a narrower, never a wrong,
+// path.
 template <typename Go>
-cudaError_t by_vector_width(const void* dst, const void* src, int64_t row_bytes, const Go& go) {
-  const auto align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) |
-                                          reinterpret_cast<uintptr_t>(src)) |
-                     row_bytes;
+cudaError_t by_vector_width(const Tables& t, const Go& go) {
+  uintptr_t align = 0;
+  for (int k = 0; k < t.count; ++k) {
+    align |= reinterpret_cast<uintptr_t>(t.dst[k]) | reinterpret_cast<uintptr_t>(t.src[k]) |
+             static_cast<uintptr_t>(t.row_bytes[k]);
+  }
   if (align % 16 == 0) return go(uint4{});
   if (align % 8 == 0) return go(uint2{});
   if (align % 4 == 0) return go(uint32_t{});
   if (align % 2 == 0) return go(uint16_t{});
   return go(uint8_t{});
+}
+
+// The team size for the widest table of a launch.
+template <typename V>
+int team_log2_of(const Tables& t) {
+  int64_t widest = 0;
+  for (int k = 0; k < t.count; ++k) widest = std::max(widest, t.row_bytes[k]);
+  return team_log2_for(widest / static_cast<int64_t>(sizeof(V)));
+}
+
+// For sorted ids: the end of the run of equal values that starts at j, or -1 when j is not the
+// first position of its run (the team of the first position handles the run).
+__device__ __forceinline__ int64_t run_end(const int64_t* __restrict__ sorted, int64_t n,
+                                           int64_t j) {
+  const int64_t row = sorted[j];
+  if (j > 0 && sorted[j - 1] == row) return -1;
+  int64_t end = j + 1;
+  while (end < n && sorted[end] == row) ++end;
+  return end;
 }
 
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
@@ -58,63 +90,59 @@ __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int6
   }
 }
 
+// Work item i is (position j, table k) = (i / count, i % count): the tables of one position sit
+// side by side, so they share the index reads.
 template <typename V>
-__global__ void copy_rows_kernel(char* __restrict__ dst, const int64_t* __restrict__ dst_idx,
-                                 const char* __restrict__ src,
-                                 const int64_t* __restrict__ src_idx, int64_t n,
-                                 int64_t row_vecs, int team_log2, bool last_of_run,
-                                 const int32_t* __restrict__ winner,
+__global__ void copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
+                                 const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
+                                 bool last_of_run, const int32_t* __restrict__ winner,
                                  const int64_t* __restrict__ status) {
   if (status[0] != 0) return;  // a bad index: write nothing
   const int lane = threadIdx.x & ((1 << team_log2) - 1);
   const int64_t teams_per_block = blockDim.x >> team_log2;
   const int64_t stride = gridDim.x * teams_per_block;
-  for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
+  const int64_t items = n * t.count;
+  for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
+       i += stride) {
+    const int64_t j = i / t.count;
+    const int k = static_cast<int>(i - j * t.count);
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) continue;
     const int64_t d = dst_idx ? dst_idx[j] : j;
     if (winner != nullptr && winner[d] != j) continue;  // a later position writes this row
     const int64_t s = src_idx ? src_idx[j] : j;
-    const V* from = reinterpret_cast<const V*>(src) + s * row_vecs;
-    V* to = reinterpret_cast<V*>(dst) + d * row_vecs;
+    const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
+    const V* from = reinterpret_cast<const V*>(t.src[k]) + s * row_vecs;
+    V* to = reinterpret_cast<V*>(t.dst[k]) + d * row_vecs;
     for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) to[c] = from[c];
   }
 }
 
 // Gather in sorted order, each distinct row read once: sorted[j] holds the rows in ascending
 // order and perm[j] the output slot of each. The first position of a run reads the row (over
-// PCIe for a mapped host table) and writes it to every slot of the run.
+// PCIe for a mapped host table) and writes it to every slot of the run. Items as in copy_rows.
 template <typename V>
-__global__ void gather_sorted_kernel(char* __restrict__ dst, const char* __restrict__ src,
-                                     const int64_t* __restrict__ sorted,
-                                     const int64_t* __restrict__ perm, int64_t n,
-                                     int64_t row_vecs, int team_log2,
+__global__ void gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
+                                     const int64_t* __restrict__ perm, int64_t n, int team_log2,
                                      const int64_t* __restrict__ status) {
   if (status[0] != 0) return;
   const int lane = threadIdx.x & ((1 << team_log2) - 1);
   const int64_t teams_per_block = blockDim.x >> team_log2;
   const int64_t stride = gridDim.x * teams_per_block;
-  for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
-    const int64_t row = sorted[j];
-    if (j > 0 && sorted[j - 1] == row) continue;
-    int64_t end = j + 1;
-    while (end < n && sorted[end] == row) ++end;
-    const V* from = reinterpret_cast<const V*>(src) + row * row_vecs;
+  const int64_t items = n * t.count;
+  for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
+       i += stride) {
+    const int64_t j = i / t.count;
+    const int k = static_cast<int>(i - j * t.count);
+    const int64_t end = run_end(sorted, n, j);
+    if (end < 0) continue;
+    const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
+    const V* from = reinterpret_cast<const V*>(t.src[k]) + sorted[j] * row_vecs;
+    V* to = reinterpret_cast<V*>(t.dst[k]);
     for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) {
       const V value = from[c];
-      for (int64_t k = j; k < end; ++k) reinterpret_cast<V*>(dst)[perm[k] * row_vecs + c] = value;
+      for (int64_t r = j; r < end; ++r) to[perm[r] * row_vecs + c] = value;
     }
   }
-}
-
-template <typename V>
-cudaError_t gather_sorted_as(char* dst, const char* src, const int64_t* sorted,
-                             const int64_t* perm, int64_t n, int64_t row_bytes,
-                             const int64_t* status, int sm_count, cudaStream_t stream) {
-  const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
-  const int team_log2 = team_log2_for(row_vecs);
-  gather_sorted_kernel<V><<<grid_for(n, team_log2, sm_count), kThreads, 0, stream>>>(
-      dst, src, sorted, perm, n, row_vecs, team_log2, status);
-  return cudaGetLastError();
 }
 
 // winner[row] = the last position j with idx[j] == row (atomicMax), for a scatter in which the
@@ -127,18 +155,6 @@ __global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n,
        i += int64_t{gridDim.x} * blockDim.x) {
     atomicMax(winner + idx[i], static_cast<int32_t>(i));
   }
-}
-
-template <typename V>
-cudaError_t copy_rows_as(char* dst, const int64_t* dst_idx, const char* src,
-                         const int64_t* src_idx, int64_t n, int64_t row_bytes, bool last_of_run,
-                         const int32_t* winner, const int64_t* status, int sm_count,
-                         cudaStream_t stream) {
-  const int64_t row_vecs = row_bytes / static_cast<int64_t>(sizeof(V));
-  const int team_log2 = team_log2_for(row_vecs);
-  copy_rows_kernel<V><<<grid_for(n, team_log2, sm_count), kThreads, 0, stream>>>(
-      dst, dst_idx, src, src_idx, n, row_vecs, team_log2, last_of_run, winner, status);
-  return cudaGetLastError();
 }
 
 // Addition in the element's own type, rounded after every step like torch's index_add_ on
@@ -167,73 +183,72 @@ __global__ void accumulate_rows_kernel(T* __restrict__ table, const int64_t* __r
   const int64_t teams_per_block = blockDim.x >> team_log2;
   const int64_t stride = gridDim.x * teams_per_block;
   for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
-    if (j > 0 && sorted[j - 1] == sorted[j]) continue;  // only the first of a run works
-    const int64_t row = sorted[j];
-    int64_t end = j + 1;
-    while (end < n && sorted[end] == row) ++end;
-    T* to = table + row * row_elems;
+    const int64_t end = run_end(sorted, n, j);  // only the first of a run works
+    if (end < 0) continue;
+    T* to = table + sorted[j] * row_elems;
     for (int64_t c = lane; c < row_elems; c += (1 << team_log2)) {
       T acc = to[c];
-      for (int64_t k = j; k < end; ++k) acc = add(acc, src[perm[k] * row_elems + c]);
+      for (int64_t r = j; r < end; ++r) acc = add(acc, src[perm[r] * row_elems + c]);
       to[c] = acc;
     }
   }
 }
 
-template <typename T>
-cudaError_t accumulate_as(char* table, const int64_t* sorted, const char* src,
-                          const int64_t* perm, int64_t n, int64_t row_elems,
-                          const int64_t* status, int sm_count, cudaStream_t stream) {
-  const int team_log2 = team_log2_for(row_elems);
-  accumulate_rows_kernel<T><<<grid_for(n, team_log2, sm_count), kThreads, 0, stream>>>(
-      reinterpret_cast<T*>(table), sorted, reinterpret_cast<const T*>(src), perm, n, row_elems,
-      team_log2, status);
-  return cudaGetLastError();
+int blocks_for_elements(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)));
 }
 
 }  // namespace
 
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
                             int64_t* status, cudaStream_t stream) {
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
-  validate_kernel<<<static_cast<int>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream>>>(
-      idx, n, rows, arg, status);
+  validate_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, rows, arg, status);
   return cudaGetLastError();
 }
 
-cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
-                             const int64_t* src_idx, int64_t n, int64_t row_bytes,
-                             bool last_of_run, const int32_t* winner, const int64_t* status,
-                             int sm_count, cudaStream_t stream) {
-  return by_vector_width(dst, src, row_bytes, [&](auto vec) {
-    return copy_rows_as<decltype(vec)>(dst, dst_idx, src, src_idx, n, row_bytes, last_of_run,
-                                       winner, status, sm_count, stream);
+cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
+                             int64_t n, bool last_of_run, const int32_t* winner,
+                             const int64_t* status, Grid grid, cudaStream_t stream) {
+  return by_vector_width(t, [&](auto vec) {
+    using V = decltype(vec);
+    const int team_log2 = team_log2_of<V>(t);
+    const Shape shape = shape_for(n * t.count, team_log2, grid);
+    copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
+        t, dst_idx, src_idx, n, team_log2, last_of_run, winner, status);
+    return cudaGetLastError();
   });
 }
 
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
                              const int64_t* status, cudaStream_t stream) {
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
-  mark_last_kernel<<<static_cast<int>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream>>>(
-      idx, n, winner, status);
+  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, winner, status);
   return cudaGetLastError();
 }
 
-cudaError_t launch_gather_sorted(char* dst, const char* src, const int64_t* sorted,
-                                 const int64_t* perm, int64_t n, int64_t row_bytes,
-                                 const int64_t* status, int sm_count, cudaStream_t stream) {
-  return by_vector_width(dst, src, row_bytes, [&](auto vec) {
-    return gather_sorted_as<decltype(vec)>(dst, src, sorted, perm, n, row_bytes, status, sm_count,
-                                           stream);
+cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
+                                 int64_t n, const int64_t* status, Grid grid,
+                                 cudaStream_t stream) {
+  return by_vector_width(t, [&](auto vec) {
+    using V = decltype(vec);
+    const int team_log2 = team_log2_of<V>(t);
+    const Shape shape = shape_for(n * t.count, team_log2, grid);
+    gather_sorted_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
+        t, sorted, perm, n, team_log2, status);
+    return cudaGetLastError();
   });
 }
 
 cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const char* src,
                                    const int64_t* perm, int64_t n, int64_t row_elems, Elem elem,
-                                   const int64_t* status, int sm_count, cudaStream_t stream) {
-  const auto go = [&](auto t) {
-    return accumulate_as<decltype(t)>(table, sorted, src, perm, n, row_elems, status, sm_count,
-                                      stream);
+                                   const int64_t* status, Grid grid, cudaStream_t stream) {
+  const auto go = [&](auto zero) {
+    using T = decltype(zero);
+    const int team_log2 = team_log2_for(row_elems);
+    const Shape shape = shape_for(n, team_log2, grid);
+    accumulate_rows_kernel<T><<<shape.blocks, shape.threads, 0, stream>>>(
+        reinterpret_cast<T*>(table), sorted, reinterpret_cast<const T*>(src), perm, n, row_elems,
+        team_log2, status);
+    return cudaGetLastError();
   };
   switch (elem) {
     case Elem::kF32: return go(float{});

@@ -1,6 +1,6 @@
 // Launchers of the CUDA kernels. Plain C++ types only, so kernels.cu stays free of torch headers
-// (nvcc is slow; the torch-facing code lives in ops.cpp, built by the host compiler). Each
-// launcher returns cudaGetLastError() of its launch; callers check it with C10_CUDA_CHECK.
+// (nvcc is slow; the torch-facing code is built by the host compiler). Each launcher returns
+// cudaGetLastError() of its launch; callers check it with C10_CUDA_CHECK.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,30 +13,48 @@ namespace speedtorch_ops::cuda {
 // Transfer kernels read status[0] first and write nothing when an index was bad.
 constexpr int kStatusWords = 4;
 
+// Up to kMaxTables tables moved by one launch with the same indices (a weight and its optimizer
+// state): table k copies rows of row_bytes[k] bytes from src[k] to dst[k]. Pointers are
+// device-visible addresses (device memory, or mapped pinned host memory).
+constexpr int kMaxTables = 8;
+struct Tables {
+  char* dst[kMaxTables];
+  const char* src[kMaxTables];
+  int64_t row_bytes[kMaxTables];
+  int count;
+};
+
+// How many SMs the transfer kernels may use. sms: the device's SM count, or the cap set with
+// set_transfer_sm_limit. capped: one 1024-thread block per allowed SM, so at most `sms` SMs
+// carry transfer traffic while training kernels use the rest; uncapped: enough 256-thread
+// blocks to fill every SM several times over.
+struct Grid {
+  int sms;
+  bool capped;
+};
+
 // Flags any idx[i] outside [0, rows) in status (one bad position is reported).
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
                             int64_t* status, cudaStream_t stream);
 
-// For j in [0, n): dst row (dst_idx ? dst_idx[j] : j) = src row (src_idx ? src_idx[j] : j).
-// last_of_run: dst_idx is sorted (stably) and j is skipped when dst_idx[j + 1] == dst_idx[j],
-// so the last duplicate in the caller's order wins. winner (or nullptr): j is skipped unless
-// winner[dst row] == j (see launch_mark_last). Pointers are device-visible addresses (device
-// memory, or mapped pinned host memory).
-cudaError_t launch_copy_rows(char* dst, const int64_t* dst_idx, const char* src,
-                             const int64_t* src_idx, int64_t n, int64_t row_bytes,
-                             bool last_of_run, const int32_t* winner, const int64_t* status,
-                             int sm_count, cudaStream_t stream);
+// For j in [0, n) and every table: dst row (dst_idx ? dst_idx[j] : j) = src row
+// (src_idx ? src_idx[j] : j). last_of_run: dst_idx is sorted (stably) and j is skipped when
+// dst_idx[j + 1] == dst_idx[j], so the last duplicate in the caller's order wins. winner (or
+// nullptr): j is skipped unless winner[dst row] == j (see launch_mark_last).
+cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
+                             int64_t n, bool last_of_run, const int32_t* winner,
+                             const int64_t* status, Grid grid, cudaStream_t stream);
 
 // winner[idx[i]] = max(winner[idx[i]], i) for i in [0, n) (winner preset to -1, n < 2^31):
 // the last position of each row, so a scatter can let the last duplicate win without a sort.
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
                              const int64_t* status, cudaStream_t stream);
 
-// out[perm[j]] = src row sorted[j] for j in [0, n), with `sorted` ascending: rows are read in
-// address order and each distinct row once (a repeated row crosses PCIe once).
-cudaError_t launch_gather_sorted(char* dst, const char* src, const int64_t* sorted,
-                                 const int64_t* perm, int64_t n, int64_t row_bytes,
-                                 const int64_t* status, int sm_count, cudaStream_t stream);
+// For every table: dst row perm[j] = src row sorted[j] for j in [0, n), with `sorted` ascending:
+// rows are read in address order and each distinct row once (a repeated row crosses PCIe once).
+cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
+                                 int64_t n, const int64_t* status, Grid grid,
+                                 cudaStream_t stream);
 
 // Element types of accumulate.
 enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };
@@ -45,6 +63,6 @@ enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };
 // (sorted stably, so in the caller's index order): deterministic, like the CPU kernel.
 cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const char* src,
                                    const int64_t* perm, int64_t n, int64_t row_elems, Elem elem,
-                                   const int64_t* status, int sm_count, cudaStream_t stream);
+                                   const int64_t* status, Grid grid, cudaStream_t stream);
 
 }  // namespace speedtorch_ops::cuda

@@ -1,0 +1,209 @@
+"""The hybrid path: a CPU index with a host table and rows on the GPU. CPU threads (through pinned
+staging and DMA copies) and the zero-copy kernels each move a share of the rows, split by a hash
+of the row. Every test runs with fixed shares (all CPU, a mix, all zero-copy) and the automatic
+split, against plain PyTorch indexing. GPU only: run by bench/gpu_check.sh on the GPU machine."""
+
+import pytest
+import torch
+
+import speedtorch_ops
+from conftest import HAS_CUDA, last_wins_reference, random_rows, sequential_add_reference
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (bench/gpu_check.sh)")
+
+SHARES = [0.0, 0.37, 1.0, None]  # None: the automatic split
+_ops = torch.ops.speedtorch_ops
+
+
+@pytest.fixture(params=SHARES, ids=lambda s: "auto" if s is None else f"share{s}")
+def share(request):
+    previous = _ops._set_hybrid_share.default(-1.0 if request.param is None else request.param)
+    yield request.param
+    _ops._set_hybrid_share.default(previous)
+
+
+def pinned(data):
+    return speedtorch_ops.empty_pinned(data.shape, data.dtype).copy_(data)
+
+
+def cpu_index(n, rows, gen, dtype=torch.int64):
+    return torch.randint(0, rows, (n,), generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_gather_into(share, dtype, index_dtype, gen):
+    data = random_rows((3000, 37), dtype, gen)
+    table = pinned(data)
+    index = cpu_index(40000, 3000, gen, index_dtype)  # ~3 MB: past the small-transfer cut
+    out = torch.full((40000, 37), 3, dtype=dtype, device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out)
+    assert torch.equal(out.cpu(), data[index.long()]), f"seed {gen.initial_seed()}"
+    assert torch.equal(table, data)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_scatter(share, accumulate, gen):
+    data = random_rows((2000, 33), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(30000, 2000, gen)  # every row repeats ~15 times
+    src = random_rows((30000, 33), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src, accumulate=accumulate)
+    ref = (sequential_add_reference if accumulate else last_wins_reference)(data, index, src)
+    assert torch.equal(table, ref), f"seed {gen.initial_seed()}"
+
+
+def test_swap_writes_back_then_loads(share, gen):
+    shapes = [((5000, 64), torch.float32), ((5000, 64), torch.bfloat16), ((5000, 3), torch.float32)]
+    datas = [random_rows(s, d, gen) for s, d in shapes]
+    stores = [pinned(d) for d in datas]
+    n = 20000
+    wb = cpu_index(n, 5000, gen)
+    load = torch.cat([wb[: n // 4], cpu_index(n - n // 4, 5000, gen)])  # overlaps the write-back
+    batch = [random_rows((n, *s[1:]), d, gen).cuda() for s, d in shapes]
+    written = [b.clone() for b in batch]
+    speedtorch_ops.optimizer_state_swap(stores, batch, wb, load)
+    for data, s, b, w in zip(datas, stores, batch, written):
+        ref = last_wins_reference(data, wb, w)
+        assert torch.equal(s, ref), f"seed {gen.initial_seed()}"
+        assert torch.equal(b.cpu(), ref[load]), f"seed {gen.initial_seed()}"
+
+
+def test_many_chunks_and_sorted_reads(share, gen):
+    # 1 KiB rows, 24 MiB per transfer: several 4 MiB CPU chunks and a sorted zero-copy side.
+    data = random_rows((8192, 256), torch.float32, gen)
+    table = pinned(data)
+    for _ in range(3):  # the automatic split moves between calls; every call must be exact
+        index = cpu_index(24576, 8192, gen)
+        out = torch.empty((24576, 256), device="cuda")
+        speedtorch_ops.pinned_gather_into(table, index, out)
+        assert torch.equal(out.cpu(), data[index])
+        src = random_rows((24576, 256), torch.float32, gen).cuda()
+        speedtorch_ops.pinned_scatter(table, index, src)
+        data = last_wins_reference(data, index, src)
+        assert torch.equal(table, data)
+
+
+def test_more_stores_than_one_launch_holds(share, gen):
+    datas = [random_rows((900, 8 + k), torch.float32, gen) for k in range(10)]  # > 8 tables
+    stores = [pinned(d) for d in datas]
+    load = cpu_index(70000, 900, gen)
+    batch = [torch.zeros((70000, d.shape[1]), device="cuda") for d in datas]
+    speedtorch_ops.optimizer_state_swap(stores, batch, None, load)
+    for d, b in zip(datas, batch):
+        assert torch.equal(b.cpu(), d[load])
+
+
+def test_pageable_table_moves_through_the_cpu(share, gen):
+    """A table a kernel cannot address (pageable memory, e.g. a memory-mapped file) works with
+    a CPU index: all its rows go through the CPU and DMA."""
+    data = random_rows((1000, 16), torch.float32, gen)
+    table = data.clone()
+    assert not table.is_pinned()
+    index = cpu_index(5000, 1000, gen)
+    out = torch.empty((5000, 16), device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out)
+    assert torch.equal(out.cpu(), data[index])
+    src = random_rows((5000, 16), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table, last_wins_reference(data, index, src))
+
+
+def test_bad_index_writes_nothing(share, gen):
+    data = random_rows((700, 40), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(30000, 700, gen)
+    index[12345] = 700
+    out = torch.full((30000, 40), 5.0, device="cuda")
+    with pytest.raises(RuntimeError, match=r"index\[12345\] = 700 is out of range"):
+        speedtorch_ops.pinned_gather_into(table, index, out)
+    with pytest.raises(RuntimeError, match=r"index\[12345\] = 700 is out of range"):
+        speedtorch_ops.pinned_scatter(table, index, torch.ones(30000, 40, device="cuda"))
+    batch = [torch.ones(30000, 40, device="cuda")]
+    with pytest.raises(RuntimeError, match=r"load_index\[12345\] = 700 is out of range"):
+        speedtorch_ops.optimizer_state_swap([table], batch, cpu_index(30000, 700, gen), index)
+    assert torch.equal(table, data)
+    assert bool((out == 5.0).all()) and bool((batch[0] == 1.0).all())
+
+
+def test_mixed_index_devices_are_refused(gen):
+    table = pinned(random_rows((50, 4), torch.float32, gen))
+    with pytest.raises(RuntimeError, match="must both be on the CPU or both on cuda"):
+        speedtorch_ops.optimizer_state_swap([table], [torch.zeros(3, 4, device="cuda")],
+                                            torch.tensor([1, 2, 3]),
+                                            torch.tensor([1, 2, 3], device="cuda"))
+
+
+def test_cpu_index_with_a_cuda_table(gen):
+    data = random_rows((300, 12), torch.float32, gen)
+    table = data.cuda()
+    index = cpu_index(1000, 300, gen)
+    out = torch.empty((1000, 12), device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out)
+    assert torch.equal(out.cpu(), data[index])
+    src = random_rows((1000, 12), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
+
+
+def test_cpu_side_sees_rows_written_by_earlier_gpu_work(gen):
+    """Stream order: a hybrid call's CPU threads read the table only after the work queued
+    before it (here a zero-copy scatter through a CUDA index) has run."""
+    previous = _ops._set_hybrid_share.default(0.0)  # every row through the CPU
+    try:
+        data = random_rows((4096, 64), torch.float32, gen)
+        table = pinned(data)
+        index = torch.randperm(4096, generator=gen)[:3000]
+        for _ in range(3):
+            new = random_rows((3000, 64), torch.float32, gen).cuda()
+            torch.cuda._sleep(2_000_000)  # keep the stream busy so a missing wait would show
+            speedtorch_ops.pinned_scatter(table, index.cuda(), new)
+            out = torch.empty((3000, 64), device="cuda")
+            speedtorch_ops.pinned_gather_into(table, index, out)
+            assert torch.equal(out, new)
+    finally:
+        _ops._set_hybrid_share.default(previous)
+
+
+def test_on_a_side_stream(gen):
+    data = random_rows((2000, 32), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(50000, 2000, gen)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = torch.empty((50000, 32), device="cuda")
+        speedtorch_ops.pinned_gather_into(table, index, out)
+        total = out.double().sum()
+    stream.synchronize()
+    assert torch.equal(out.cpu(), data[index])
+    assert float(total) == pytest.approx(float(data[index].double().sum()))
+
+
+@pytest.mark.parametrize("sms", [1, 3, 0])
+def test_sm_limit_keeps_results(sms, gen):
+    data = random_rows((5000, 48), torch.float32, gen)
+    table = pinned(data)
+    index = torch.randint(0, 5000, (20000,), generator=gen).cuda()
+    with speedtorch_ops.transfer_sm_limit(sms):
+        out = speedtorch_ops.pinned_gather(table, index)
+        src = random_rows((20000, 48), torch.float32, gen).cuda()
+        speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(out.cpu(), data[index.cpu()])
+    assert torch.equal(table, last_wins_reference(data, index, src))
+    assert speedtorch_ops.set_transfer_sm_limit(0) == 0  # restored after the block
+    with pytest.raises(RuntimeError, match="sms must be >= 0"):
+        speedtorch_ops.set_transfer_sm_limit(-1)
+
+
+def test_cpu_index_refused_under_graph_capture(gen):
+    data = random_rows((100, 8), torch.float32, gen)
+    table = pinned(data)
+    index = torch.tensor([3, 1, 4])
+    out = torch.zeros((3, 8), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be used while a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            speedtorch_ops.pinned_gather_into(table, index, out)
+    torch.cuda.synchronize()
+    speedtorch_ops.pinned_gather_into(table, index, out)  # the context still works
+    assert torch.equal(out.cpu(), data[index])
