@@ -79,7 +79,9 @@ class Bench:
             var.zero_()
             fn()
             torch.cuda.synchronize()
-            assert torch.equal(var.cpu(), expected), f"{name}: wrong rows"
+            # bytes, not values: a bf16 view of random float32 bits holds NaNs
+            assert torch.equal(var.cpu().view(torch.uint8), expected.view(torch.uint8)), \
+                f"{name}: wrong rows"
 
         paths = {
             "ours_cuda_index": (lambda: speedtorch_ops.pinned_gather_into(table, idx, var),

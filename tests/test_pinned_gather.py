@@ -116,9 +116,9 @@ def test_large_batches_with_repeats(store, row_shape, dtype, gen):
     """Batches long enough for the sorted, read-each-row-once path of host-mapped tables."""
     data = random_rows((5000, *row_shape), dtype, gen)
     table = place(data, store)
-    index = random_index(20000, 5000, torch.int64, store, gen)  # every row ~4 times
+    index = random_index(40000, 5000, torch.int64, store, gen)  # every row ~8 times
     out = speedtorch_ops.pinned_gather(table, index)
     assert torch.equal(out.cpu(), data[index.cpu()]), f"seed {gen.initial_seed()}"
-    batch = [torch.zeros(20000, *row_shape, dtype=dtype, device=index.device)]
+    batch = [torch.zeros(40000, *row_shape, dtype=dtype, device=index.device)]
     speedtorch_ops.optimizer_state_swap([table], batch, None, index)
     assert torch.equal(batch[0].cpu(), data[index.cpu()])

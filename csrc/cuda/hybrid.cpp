@@ -25,6 +25,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -41,9 +43,9 @@ std::atomic<double> g_fixed_share{-1.0};
 constexpr int64_t kHybridMinBytes = int64_t{2} << 20;
 // Bytes per CPU chunk: the CPU gathers (or scatters) one chunk while the copy engine moves the
 // next (or the previous).
-constexpr int64_t kChunkBytes = int64_t{4} << 20;
+constexpr int64_t kChunkBytes = int64_t{2} << 20;
 // Positions per task of the index split.
-constexpr int64_t kSplitBlock = int64_t{1} << 15;
+constexpr int64_t kSplitBlock = int64_t{1} << 13;
 
 // A row is read or written by the zero-copy kernels when its 16-bit hash is under the threshold.
 inline uint32_t row_hash(int64_t row) {
@@ -126,6 +128,8 @@ struct Sample {
   std::shared_ptr<at::cuda::CUDAEvent> start, zc_end, dma_end;
   double share = 0;
   double host_ms = 0;
+  double queued_ms = 0;  // host time until the GPU work of both sides was queued
+  int64_t rows = 0;
 };
 
 struct Entry {
@@ -150,6 +154,12 @@ class Tuner {
           const double cpu_rate = (1.0 - s.share) / cpu_ms;
           const double target = zc_rate / (zc_rate + cpu_rate);
           e.share = std::clamp(0.5 * s.share + 0.5 * target, 0.02, 0.98);
+          if (std::getenv("SPEEDTORCH_OPS_TRACE_SPLIT") != nullptr) {
+            std::fprintf(stderr, "hybrid split: %lld rows, share %.3f: zero-copy %.3f ms, cpu "
+                         "%.3f ms (host %.3f ms, of which %.3f ms to queue the GPU work) -> "
+                         "%.3f\n", static_cast<long long>(s.rows), s.share, zc_ms, cpu_ms,
+                         s.host_ms, s.queued_ms, e.share);
+          }
         }
       }
     }
@@ -196,6 +206,130 @@ std::vector<int64_t> block_offsets(const std::vector<Pair>& pairs, int64_t n) {
   return at;
 }
 
+// The CPU side's rows of one direction: pinned staging on the host and scratch on the GPU, both
+// store-major (table k's n rows at offset[k]). The scratch comes from the dma stream's pool of
+// torch's caching allocator: memory just freed on cur (e.g. a sort buffer of a zero-copy kernel
+// still running there) can then not be handed to the copies on dma.
+class Staging {
+ public:
+  Staging(const std::vector<Pair>& pairs, int64_t n, const c10::Device& device,
+          const at::cuda::CUDAStream& dma, bool scratch = true)
+      : offset_(block_offsets(pairs, n)) {
+    if (scratch) {
+      c10::cuda::CUDAStreamGuard on_dma(dma);
+      scratch_ = at::empty({offset_.back()}, at::TensorOptions(at::kByte).device(device));
+    }
+    host_ = at::empty({offset_.back()}, at::TensorOptions(at::kByte).pinned_memory(true));
+  }
+
+  char* device_block(size_t k) { return static_cast<char*>(scratch_.mutable_data_ptr()) + offset_[k]; }
+  char* host_block(size_t k) { return static_cast<char*>(host_.mutable_data_ptr()) + offset_[k]; }
+
+  // Rows [b, b + len) of table k in the host staging, as a tensor shaped like `like`'s rows.
+  at::Tensor rows(const std::vector<Pair>& pairs, size_t k, int64_t b, int64_t len,
+                  const at::Tensor& like) {
+    return host_rows(host_block(k) + b * pairs[k].row_bytes, like, len);
+  }
+
+  // Copies rows [b, b + len) of every table between host staging and device scratch on `stream`.
+  void copy_chunk(const std::vector<Pair>& pairs, int64_t b, int64_t len, cudaMemcpyKind kind,
+                  const at::cuda::CUDAStream& stream) {
+    for (const auto k : c10::irange(pairs.size())) {
+      char* dev = device_block(k) + b * pairs[k].row_bytes;
+      char* host = host_block(k) + b * pairs[k].row_bytes;
+      const bool up = kind == cudaMemcpyHostToDevice;
+      C10_CUDA_CHECK(cudaMemcpyAsync(up ? dev : host, up ? host : dev, len * pairs[k].row_bytes,
+                                     kind, stream));
+    }
+  }
+
+  // The host staging returns to torch's pinned cache only after the work queued on `stream`.
+  void release_after(const at::cuda::CUDAStream& stream) {
+    const auto& ptr = host_.storage().data_ptr();
+    at::getHostAllocator(at::kCUDA)->record_event(ptr.get(), ptr.get_context(), stream.unwrap());
+  }
+
+ private:
+  std::vector<int64_t> offset_;
+  at::Tensor scratch_, host_;
+};
+
+// One launch per kMaxTables tables between the batch rows at `pos` and the scratch blocks:
+// batch[pos[j]] = scratch[j] (to_batch) or scratch[j] = batch[pos[j]].
+void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch,
+                 const int64_t* pos, int64_t n, const Validation& v,
+                 const at::cuda::CUDAStream& stream) {
+  for (size_t first = 0; first < pairs.size(); first += cuda::kMaxTables) {
+    cuda::Tables t{};
+    t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
+    for (int k = 0; k < t.count; ++k) {
+      char* block = staging.device_block(first + k);
+      t.dst[k] = to_batch ? pairs[first + k].batch : block;
+      t.src[k] = to_batch ? block : pairs[first + k].batch;
+      t.row_bytes[k] = pairs[first + k].row_bytes;
+    }
+    C10_CUDA_CHECK(cuda::launch_copy_rows(t, to_batch ? pos : nullptr, to_batch ? nullptr : pos, n,
+                                          false, nullptr, v.status(), v.grid(), stream));
+  }
+}
+
+// The copy stream of the hybrid path on each device: created once and used by nothing else, so
+// the caching allocator's pool for it (the scratch buffers) stays warm between calls.
+at::cuda::CUDAStream dma_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    c10::cuda::CUDAGuard guard(device);
+    cudaStream_t stream = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    it = streams.emplace(device, stream).first;  // lives as long as the process
+  }
+  return at::cuda::getStreamFromExternal(it->second, device);
+}
+
+// Load only: the zero-copy kernels read positions [0, z) of the index, CPU threads the rest,
+// chunk by chunk into pinned staging, each chunk copied straight to its place in the batch while
+// the next is gathered. A load has no duplicates to resolve, so no split pass and no scratch.
+void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                      const at::Tensor& idx, const c10::Device& device,
+                      const at::cuda::CUDAStream& cur, Sample& sample) {
+  const int64_t n = idx.numel();
+  const int64_t z = std::min<int64_t>(n, std::llround(sample.share * static_cast<double>(n)));
+  if (z > 0) {
+    Validation v(device);  // nothing to validate on the device: the values were checked
+    DeviceIndex di(upload_via_pinned(idx.narrow(0, 0, z), device), std::nullopt);
+    gather_pairs(pairs, di, v);
+  }
+  sample.zc_end->record(cur);
+  const auto dma = dma_stream(device.index());
+  sample.start->block(dma);  // the batch rows are written after the work queued before the call
+  int64_t total_rb = 0;
+  for (const auto& p : pairs) total_rb += p.row_bytes;
+  const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
+  if (z < n) {
+    Staging staging(pairs, n - z, device, dma, /*scratch=*/false);
+    for (int64_t b = 0; b < n - z; b += chunk) {
+      const int64_t len = std::min(chunk, n - z - b);
+      const auto rows = idx.narrow(0, z + b, len);
+      for (const auto k : c10::irange(pairs.size())) {
+        auto out = staging.rows(pairs, k, b, len, tables[k]);
+        gather_rows_cpu(tables[k], rows, out);
+      }
+      for (const auto k : c10::irange(pairs.size())) {
+        const int64_t rb = pairs[k].row_bytes;
+        C10_CUDA_CHECK(cudaMemcpyAsync(pairs[k].batch + (z + b) * rb, staging.host_block(k) + b * rb,
+                                       len * rb, cudaMemcpyHostToDevice, dma));
+      }
+    }
+    staging.release_after(dma);
+  }
+  sample.queued_ms = sample.host_ms = 0;
+  sample.dma_end->record(dma);
+  sample.dma_end->block(cur);  // later work on cur follows the copies
+}
+
 }  // namespace
 
 double set_hybrid_share(double share) {
@@ -232,18 +366,11 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
                      static_cast<char*>(batch[k].mutable_data_ptr()), row_bytes(tables[k]), true});
   }
 
-  // The share of rows for the zero-copy side: none for tables a kernel cannot address
-  // (pageable memory), all for small transfers, else tuned.
-  const Key key{device.index(), wb.has_value(), load.has_value(), log2_bucket(n_wb + n_load),
-                log2_bucket(total_rb), log2_bucket(span), at::get_num_threads()};
   const double fixed = g_fixed_share.load();
-  const double share = !mapped         ? 0.0
-                       : fixed >= 0    ? fixed
-                       : (n_wb + n_load) * total_rb < kHybridMinBytes ? 1.0
-                                                                      : tuner().share(key);
   const int64_t min_rows = tables[0].size(0);
-
-  if (share >= 1.0) {  // zero-copy only: the indices go up through pinned memory, no host wait
+  if (mapped && (fixed >= 1.0 || (fixed < 0 && (n_wb + n_load) * total_rb < kHybridMinBytes))) {
+    // Small transfers (and the test hook's share 1) go by zero-copy alone: the indices go up
+    // through pinned memory, and the host does not wait.
     Validation v(device);  // nothing to validate on the device: the values were checked
     if (wb) {
       DeviceIndex di(upload_via_pinned(*wb, device), std::nullopt);
@@ -260,139 +387,115 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
   start->record(cur);
   start->synchronize();  // the host touches tables and batch only after the work queued before
   const auto t0 = Clock::now();
+  // The share of rows for the zero-copy side: none for tables a kernel cannot address
+  // (pageable memory), else fixed by the test hook or tuned (after the wait above, so the
+  // previous call's timing events on this stream have completed).
+  const Key key{device.index(), wb.has_value(), load.has_value(), log2_bucket(n_wb + n_load),
+                log2_bucket(total_rb), log2_bucket(span), at::get_num_threads()};
+  const double share = !mapped ? 0.0 : fixed >= 0 ? fixed : tuner().share(key);
 
-  // Split both indices; one upload buffer for the zero-copy rows and positions and the CPU
-  // side's positions.
-  const auto threshold = static_cast<uint32_t>(std::lround(share * 65536.0));
-  std::optional<Split> swb, sload;
-  int64_t upload_n = 0;
-  for (auto [idx, split] : {std::pair{&wb, &swb}, std::pair{&load, &sload}}) {
-    if (!*idx) continue;
-    *split = count_split(**idx, threshold);
-    (*split)->at = upload_n;
-    upload_n += 2 * (*split)->n_zc + (*split)->n_cpu;
-  }
-  auto upload = at::empty({upload_n}, at::TensorOptions(at::kLong).pinned_memory(true));
-  if (swb) fill_split(*wb, threshold, *swb, upload.mutable_data_ptr<int64_t>());
-  if (sload) fill_split(*load, threshold, *sload, upload.mutable_data_ptr<int64_t>());
-  Validation v(device);  // its status is zeroed on cur, before the event dma waits for
-  const auto dev = upload.to(device, /*non_blocking=*/true);
-  const auto part = [&](int64_t offset, int64_t n) { return dev.narrow(0, offset, n); };
-  at::cuda::CUDAEvent uploaded;
-  uploaded.record(cur);
-  const auto dma = at::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
-  uploaded.block(dma);
-
-  const bool has_zc = (swb && swb->n_zc > 0) || (sload && sload->n_zc > 0);
-  const bool has_cpu = (swb && swb->n_cpu > 0) || (sload && sload->n_cpu > 0);
-  const cuda::Grid grid = v.grid();
-
-  // Write-back.
-  at::cuda::CUDAEvent zc_wb_done, wb_read;
-  if (swb) {
-    const Split& s = *swb;
-    if (s.n_zc > 0) {
-      DeviceIndex di(part(s.at, s.n_zc), part(s.at + s.n_zc, s.n_zc));
-      scatter_pairs(pairs, di, min_rows, tables[0], accumulate, v);
+  Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
+                std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
+                n_wb + n_load};
+  if (!wb) {
+    load_by_position(pairs, tables, *load, device, cur, sample);
+  } else {
+    // Split both indices; one upload buffer for the zero-copy rows and positions and the CPU
+    // side's positions.
+    const auto threshold = static_cast<uint32_t>(std::lround(share * 65536.0));
+    std::optional<Split> swb, sload;
+    int64_t upload_n = 0;
+    for (auto [idx, split] : {std::pair{&wb, &swb}, std::pair{&load, &sload}}) {
+      if (!*idx) continue;
+      *split = count_split(**idx, threshold);
+      (*split)->at = upload_n;
+      upload_n += 2 * (*split)->n_zc + (*split)->n_cpu;
     }
-    zc_wb_done.record(cur);
-    if (s.n_cpu > 0) {
-      const auto off = block_offsets(pairs, s.n_cpu);
-      auto scratch = at::empty({off.back()}, at::TensorOptions(at::kByte).device(device));
-      auto staging = at::empty({off.back()}, at::TensorOptions(at::kByte).pinned_memory(true));
-      char* d = static_cast<char*>(scratch.mutable_data_ptr());
-      char* h = static_cast<char*>(staging.mutable_data_ptr());
-      cuda::Tables t{};
-      std::vector<at::cuda::CUDAEvent> landed;
-      const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
-      for (size_t first = 0; first < pairs.size(); first += cuda::kMaxTables) {
-        t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
-        for (int k = 0; k < t.count; ++k) {
-          t.dst[k] = d + off[first + k];
-          t.src[k] = pairs[first + k].batch;
-          t.row_bytes[k] = pairs[first + k].row_bytes;
-        }
-        C10_CUDA_CHECK(cuda::launch_copy_rows(
-            t, nullptr, part(s.at + 2 * s.n_zc, s.n_cpu).const_data_ptr<int64_t>(), s.n_cpu,
-            false, nullptr, v.status(), grid, dma));
+    auto upload = at::empty({upload_n}, at::TensorOptions(at::kLong).pinned_memory(true));
+    if (swb) fill_split(*wb, threshold, *swb, upload.mutable_data_ptr<int64_t>());
+    if (sload) fill_split(*load, threshold, *sload, upload.mutable_data_ptr<int64_t>());
+    Validation v(device);  // its status is zeroed on cur, before the event dma waits for
+    const auto dev = upload.to(device, /*non_blocking=*/true);
+    const auto part = [&](int64_t offset, int64_t n) { return dev.narrow(0, offset, n); };
+    at::cuda::CUDAEvent uploaded;
+    uploaded.record(cur);
+    const auto dma = dma_stream(device.index());
+    uploaded.block(dma);
+
+    const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
+    const auto cpu_pos = [&](const Split& sp) {
+      return part(sp.at + 2 * sp.n_zc, sp.n_cpu).const_data_ptr<int64_t>();
+    };
+
+    // 1. The GPU work of both directions is queued first. Zero-copy write-back on cur; the CPU
+    // side's write-back rows gathered from the batch into scratch (one launch) and copied down
+    // chunk by chunk on dma; then the zero-copy load on cur, once dma has read the batch.
+    at::cuda::CUDAEvent zc_wb_done, wb_read;
+    std::optional<Staging> down, up;
+    std::vector<at::cuda::CUDAEvent> landed;
+    if (swb) {
+      const Split& sp = *swb;
+      if (sp.n_zc > 0) {
+        DeviceIndex di(part(sp.at, sp.n_zc), part(sp.at + sp.n_zc, sp.n_zc));
+        scatter_pairs(pairs, di, min_rows, tables[0], accumulate, v);
       }
-      wb_read.record(dma);
-      for (int64_t b = 0; b < s.n_cpu; b += chunk) {
-        const int64_t len = std::min(chunk, s.n_cpu - b);
-        for (const auto k : c10::irange(pairs.size())) {
-          const int64_t o = off[k] + b * pairs[k].row_bytes;
-          C10_CUDA_CHECK(cudaMemcpyAsync(h + o, d + o, len * pairs[k].row_bytes,
-                                         cudaMemcpyDeviceToHost, dma));
-        }
-        landed.emplace_back();
-        landed.back().record(dma);
-      }
-      for (int64_t b = 0, c = 0; b < s.n_cpu; b += chunk, ++c) {
-        const int64_t len = std::min(chunk, s.n_cpu - b);
-        landed[c].synchronize();
-        const auto rows = s.cpu_rows.narrow(0, b, len);
-        for (const auto k : c10::irange(pairs.size())) {
-          auto table = tables[k];
-          scatter_rows_cpu(table, rows, host_rows(h + off[k] + b * pairs[k].row_bytes, table, len),
-                           accumulate);
+      zc_wb_done.record(cur);
+      if (sp.n_cpu > 0) {
+        down.emplace(pairs, sp.n_cpu, device, dma);
+        move_blocks(pairs, *down, /*to_batch=*/false, cpu_pos(sp), sp.n_cpu, v, dma);
+        wb_read.record(dma);
+        for (int64_t b = 0; b < sp.n_cpu; b += chunk) {
+          down->copy_chunk(pairs, b, std::min(chunk, sp.n_cpu - b), cudaMemcpyDeviceToHost, dma);
+          landed.emplace_back();
+          landed.back().record(dma);
         }
       }
     }
-  }
-
-  // Load.
-  if (sload) {
-    const Split& s = *sload;
-    if (s.n_zc > 0) {
-      if (swb && swb->n_cpu > 0) wb_read.block(cur);  // the batch is read before it is loaded
-      DeviceIndex di(part(s.at, s.n_zc), part(s.at + s.n_zc, s.n_zc));
+    if (sload && sload->n_zc > 0) {
+      const Split& sp = *sload;
+      if (down) wb_read.block(cur);  // the batch is read before it is loaded
+      DeviceIndex di(part(sp.at, sp.n_zc), part(sp.at + sp.n_zc, sp.n_zc));
       gather_pairs(pairs, di, v);
     }
-    if (s.n_cpu > 0) {
-      zc_wb_done.block(dma);  // likewise for the rows the zero-copy write-back reads
-      const auto off = block_offsets(pairs, s.n_cpu);
-      auto scratch = at::empty({off.back()}, at::TensorOptions(at::kByte).device(device));
-      auto staging = at::empty({off.back()}, at::TensorOptions(at::kByte).pinned_memory(true));
-      char* d = static_cast<char*>(scratch.mutable_data_ptr());
-      char* h = static_cast<char*>(staging.mutable_data_ptr());
-      const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
-      for (int64_t b = 0; b < s.n_cpu; b += chunk) {
-        const int64_t len = std::min(chunk, s.n_cpu - b);
-        const auto rows = s.cpu_rows.narrow(0, b, len);
+    sample.zc_end->record(cur);
+    sample.queued_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+
+    // 2. The CPU side of the write-back, each chunk as it lands.
+    for (size_t c = 0; c < landed.size(); ++c) {
+      const int64_t b = static_cast<int64_t>(c) * chunk;
+      const int64_t len = std::min(chunk, swb->n_cpu - b);
+      landed[c].synchronize();
+      const auto rows = swb->cpu_rows.narrow(0, b, len);
+      for (const auto k : c10::irange(pairs.size())) {
+        auto table = tables[k];
+        scatter_rows_cpu(table, rows, down->rows(pairs, k, b, len, table), accumulate);
+      }
+    }
+
+    // 3. The CPU side of the load: each chunk gathered into staging and copied up while the next
+    // is gathered; one launch moves the rows into the batch once the zero-copy write-back (which
+    // reads the batch) is done.
+    if (sload && sload->n_cpu > 0) {
+      const Split& sp = *sload;
+      up.emplace(pairs, sp.n_cpu, device, dma);
+      for (int64_t b = 0; b < sp.n_cpu; b += chunk) {
+        const int64_t len = std::min(chunk, sp.n_cpu - b);
+        const auto rows = sp.cpu_rows.narrow(0, b, len);
         for (const auto k : c10::irange(pairs.size())) {
-          auto out = host_rows(h + off[k] + b * pairs[k].row_bytes, tables[k], len);
+          auto out = up->rows(pairs, k, b, len, tables[k]);
           gather_rows_cpu(tables[k], rows, out);
         }
-        for (const auto k : c10::irange(pairs.size())) {
-          const int64_t o = off[k] + b * pairs[k].row_bytes;
-          C10_CUDA_CHECK(cudaMemcpyAsync(d + o, h + o, len * pairs[k].row_bytes,
-                                         cudaMemcpyHostToDevice, dma));
-        }
+        up->copy_chunk(pairs, b, len, cudaMemcpyHostToDevice, dma);
       }
-      cuda::Tables t{};
-      for (size_t first = 0; first < pairs.size(); first += cuda::kMaxTables) {
-        t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
-        for (int k = 0; k < t.count; ++k) {
-          t.dst[k] = pairs[first + k].batch;
-          t.src[k] = d + off[first + k];
-          t.row_bytes[k] = pairs[first + k].row_bytes;
-        }
-        C10_CUDA_CHECK(cuda::launch_copy_rows(
-            t, part(s.at + 2 * s.n_zc, s.n_cpu).const_data_ptr<int64_t>(), nullptr, s.n_cpu,
-            false, nullptr, v.status(), grid, dma));
-      }
-      // The staging memory returns to torch's pinned cache only after the copies ran.
-      const auto& ptr = staging.storage().data_ptr();
-      at::getHostAllocator(at::kCUDA)->record_event(ptr.get(), ptr.get_context(), dma.unwrap());
+      zc_wb_done.block(dma);
+      move_blocks(pairs, *up, /*to_batch=*/true, cpu_pos(sp), sp.n_cpu, v, dma);
+      up->release_after(dma);
     }
+    sample.dma_end->record(dma);
+    sample.dma_end->block(cur);  // later work on cur follows the copies
   }
-  const double host_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  auto zc_end = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
-  auto dma_end = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
-  zc_end->record(cur);
-  dma_end->record(dma);
-  dma_end->block(cur);  // later work on cur (and frees of the scratch buffers) follows the copies
-  if (fixed < 0 && has_zc && has_cpu) tuner().record(key, {start, zc_end, dma_end, share, host_ms});
+  sample.host_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (fixed < 0 && share > 0 && share < 1) tuner().record(key, std::move(sample));
 }
 
 }  // namespace speedtorch_ops::cuda_impl
