@@ -9,7 +9,7 @@ SEL=${SEL:-"tests/test_pinned_gather.py tests/test_pinned_scatter.py tests/test_
 status=0
 for tool in ${TOOLS:-memcheck racecheck synccheck}; do
   # racecheck and synccheck are slow: the dtype-parametrized tests with one store each.
-  filter=$([ "$tool" = memcheck ] && echo "pinned or cuda" || echo "(pinned or cuda) and (float32 or int64 or row_shapes or swap or bad)")
+  filter=${FILTER:-$([ "$tool" = memcheck ] && echo "pinned or cuda" || echo "(pinned or cuda) and (float32 or int64 or row_shapes or swap or bad)")}
   timeout ${TOOL_TIMEOUT:-280} compute-sanitizer --tool "$tool" --error-exitcode 86 --target-processes all \
     python3 -m pytest -q -x -p no:cacheprovider $SEL -k "$filter" >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
