@@ -179,17 +179,29 @@ def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
     return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
 
 
+def zero_copy(table: Tensor) -> bool:
+    return table.is_cuda or (table.device.type == "cpu" and torch.cuda.is_available()
+                             and table.is_pinned())
+
+
 def hybrid(table: Tensor, device: torch.device) -> bool:
-    """A host table with rows on a GPU: the ops take the ids on the CPU, where they already are,
-    and split the rows between CPU threads (+ DMA) and the zero-copy kernels."""
-    return not table.is_cuda and device.type == "cuda"
+    """A host table a kernel cannot address (pageable, e.g. memory-mapped) with rows on a GPU:
+    the ops take the ids on the CPU and move the rows through CPU threads and DMA.
+
+    Pinned stores take a CUDA index instead (the zero-copy kernels), although the hybrid path
+    is faster for one large transfer from a multi-GiB table (bench/sweep.py): it waits for the
+    stream at each call, and a training step's several mid-size calls lose more to those waits
+    than they gain (demo on the H100, 4 M x 128 tables: 80 steps/s hybrid vs 105 zero-copy)."""
+    return not zero_copy(table) and device.type == "cuda"
 
 
 def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
-    """The index to pass with rows on `device`: on the CPU for a host table, else on the
-    table's GPU (a CUDA table with CPU rows moves on its GPU)."""
+    """The index to pass with rows on `device`: on the table's GPU for a CUDA table, on the rows'
+    GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path)."""
     if table.is_cuda:
         return plan.on(table.device)
+    if device.type == "cuda" and zero_copy(table):
+        return plan.on(device)
     return plan.cpu
 
 

@@ -192,3 +192,4 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
         stacked = torch.from_numpy(opt_sw.getNumpyVersion())
         for k, key in enumerate(opt_sw.optVarList):
             assert torch.allclose(stacked[k], states[name][key], rtol=1e-10, atol=1e-10), (msg, key)
+

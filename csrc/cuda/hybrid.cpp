@@ -210,16 +210,43 @@ std::vector<int64_t> block_offsets(const std::vector<Pair>& pairs, int64_t n) {
 // store-major (table k's n rows at offset[k]). The scratch comes from the dma stream's pool of
 // torch's caching allocator: memory just freed on cur (e.g. a sort buffer of a zero-copy kernel
 // still running there) can then not be handed to the copies on dma.
+// Pinned host memory kept per device between calls (grown when too small), so no call pays for
+// a pinned allocation. A call reuses it only after the previous call's copies have finished
+// (see DeviceState).
+at::Tensor pinned_area(at::Tensor& slot, int64_t bytes) {
+  if (!slot.defined() || slot.nbytes() < static_cast<size_t>(bytes)) {
+    slot = at::empty({bytes + bytes / 2}, at::TensorOptions(at::kByte).pinned_memory(true));
+  }
+  return slot.narrow(0, 0, bytes);
+}
+
+// What the hybrid calls on one device share: the staging areas and the event that marks the end
+// of the last call's work. Calls on a device run one at a time (they share the copy stream too).
+struct DeviceState {
+  std::mutex mutex;
+  at::Tensor upload, down, up;
+  std::optional<at::cuda::CUDAEvent> last_done;
+};
+
+DeviceState& state_of(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<c10::DeviceIndex, std::unique_ptr<DeviceState>> states;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& state = states[device];
+  if (!state) state = std::make_unique<DeviceState>();
+  return *state;
+}
+
 class Staging {
  public:
   Staging(const std::vector<Pair>& pairs, int64_t n, const c10::Device& device,
-          const at::cuda::CUDAStream& dma, bool scratch = true)
+          const at::cuda::CUDAStream& dma, at::Tensor& arena, bool scratch = true)
       : offset_(block_offsets(pairs, n)) {
     if (scratch) {
       c10::cuda::CUDAStreamGuard on_dma(dma);
       scratch_ = at::empty({offset_.back()}, at::TensorOptions(at::kByte).device(device));
     }
-    host_ = at::empty({offset_.back()}, at::TensorOptions(at::kByte).pinned_memory(true));
+    host_ = pinned_area(arena, offset_.back());
   }
 
   char* device_block(size_t k) { return static_cast<char*>(scratch_.mutable_data_ptr()) + offset_[k]; }
@@ -241,12 +268,6 @@ class Staging {
       C10_CUDA_CHECK(cudaMemcpyAsync(up ? dev : host, up ? host : dev, len * pairs[k].row_bytes,
                                      kind, stream));
     }
-  }
-
-  // The host staging returns to torch's pinned cache only after the work queued on `stream`.
-  void release_after(const at::cuda::CUDAStream& stream) {
-    const auto& ptr = host_.storage().data_ptr();
-    at::getHostAllocator(at::kCUDA)->record_event(ptr.get(), ptr.get_context(), stream.unwrap());
   }
 
  private:
@@ -294,12 +315,13 @@ at::cuda::CUDAStream dma_stream(c10::DeviceIndex device) {
 // the next is gathered. A load has no duplicates to resolve, so no split pass and no scratch.
 void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
                       const at::Tensor& idx, const c10::Device& device,
-                      const at::cuda::CUDAStream& cur, Sample& sample) {
+                      const at::cuda::CUDAStream& cur, DeviceState& state, Sample& sample) {
   const int64_t n = idx.numel();
   const int64_t z = std::min<int64_t>(n, std::llround(sample.share * static_cast<double>(n)));
   if (z > 0) {
     Validation v(device);  // nothing to validate on the device: the values were checked
-    DeviceIndex di(upload_via_pinned(idx.narrow(0, 0, z), device), std::nullopt);
+    auto host = pinned_area(state.upload, z * 8).view(at::kLong).copy_(idx.narrow(0, 0, z));
+    DeviceIndex di(host.to(device, /*non_blocking=*/true), std::nullopt);
     gather_pairs(pairs, di, v);
   }
   sample.zc_end->record(cur);
@@ -309,7 +331,7 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   for (const auto& p : pairs) total_rb += p.row_bytes;
   const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
   if (z < n) {
-    Staging staging(pairs, n - z, device, dma, /*scratch=*/false);
+    Staging staging(pairs, n - z, device, dma, state.up, /*scratch=*/false);
     for (int64_t b = 0; b < n - z; b += chunk) {
       const int64_t len = std::min(chunk, n - z - b);
       const auto rows = idx.narrow(0, z + b, len);
@@ -323,7 +345,6 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
                                        len * rb, cudaMemcpyHostToDevice, dma));
       }
     }
-    staging.release_after(dma);
   }
   sample.queued_ms = sample.host_ms = 0;
   sample.dma_end->record(dma);
@@ -383,6 +404,9 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
     return;
   }
 
+  DeviceState& state = state_of(device.index());
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
   auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
   start->record(cur);
   start->synchronize();  // the host touches tables and batch only after the work queued before
@@ -398,7 +422,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
                 std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
                 n_wb + n_load};
   if (!wb) {
-    load_by_position(pairs, tables, *load, device, cur, sample);
+    load_by_position(pairs, tables, *load, device, cur, state, sample);
   } else {
     // Split both indices; one upload buffer for the zero-copy rows and positions and the CPU
     // side's positions.
@@ -411,7 +435,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
       (*split)->at = upload_n;
       upload_n += 2 * (*split)->n_zc + (*split)->n_cpu;
     }
-    auto upload = at::empty({upload_n}, at::TensorOptions(at::kLong).pinned_memory(true));
+    auto upload = pinned_area(state.upload, upload_n * 8).view(at::kLong);
     if (swb) fill_split(*wb, threshold, *swb, upload.mutable_data_ptr<int64_t>());
     if (sload) fill_split(*load, threshold, *sload, upload.mutable_data_ptr<int64_t>());
     Validation v(device);  // its status is zeroed on cur, before the event dma waits for
@@ -441,7 +465,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
       }
       zc_wb_done.record(cur);
       if (sp.n_cpu > 0) {
-        down.emplace(pairs, sp.n_cpu, device, dma);
+        down.emplace(pairs, sp.n_cpu, device, dma, state.down);
         move_blocks(pairs, *down, /*to_batch=*/false, cpu_pos(sp), sp.n_cpu, v, dma);
         wb_read.record(dma);
         for (int64_t b = 0; b < sp.n_cpu; b += chunk) {
@@ -477,7 +501,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
     // reads the batch) is done.
     if (sload && sload->n_cpu > 0) {
       const Split& sp = *sload;
-      up.emplace(pairs, sp.n_cpu, device, dma);
+      up.emplace(pairs, sp.n_cpu, device, dma, state.up);
       for (int64_t b = 0; b < sp.n_cpu; b += chunk) {
         const int64_t len = std::min(chunk, sp.n_cpu - b);
         const auto rows = sp.cpu_rows.narrow(0, b, len);
@@ -489,12 +513,13 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
       }
       zc_wb_done.block(dma);
       move_blocks(pairs, *up, /*to_batch=*/true, cpu_pos(sp), sp.n_cpu, v, dma);
-      up->release_after(dma);
     }
     sample.dma_end->record(dma);
     sample.dma_end->block(cur);  // later work on cur follows the copies
   }
   sample.host_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  state.last_done.emplace();
+  state.last_done->record(cur);  // after cur waited for dma: the end of all of this call's work
   if (fixed < 0 && share > 0 && share < 1) tuner().record(key, std::move(sample));
 }
 
