@@ -207,3 +207,25 @@ def test_cpu_index_refused_under_graph_capture(gen):
     torch.cuda.synchronize()
     speedtorch_ops.pinned_gather_into(table, index, out)  # the context still works
     assert torch.equal(out.cpu(), data[index])
+
+
+def test_process_exits_cleanly_after_hybrid_calls():
+    """The hybrid path keeps pinned staging and events per device for the life of the process;
+    exiting after using it must not crash (it did once: freed after torch's CUDA teardown)."""
+    import subprocess
+    import sys
+    code = (
+        "import torch, speedtorch_ops\n"
+        "torch.ops.speedtorch_ops._set_hybrid_share.default(0.5)\n"
+        "t = speedtorch_ops.empty_pinned((4096, 256)).normal_()\n"
+        "i = torch.randint(0, 4096, (20000,))\n"
+        "o = torch.empty((20000, 256), device='cuda')\n"
+        "speedtorch_ops.pinned_gather_into(t, i, o)\n"
+        "speedtorch_ops.pinned_scatter(t, i, o)\n"
+        "speedtorch_ops.optimizer_state_swap([t], [o], i, i)\n"
+        "torch.cuda.synchronize()\n"
+        "assert torch.equal(o.cpu(), t[i])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

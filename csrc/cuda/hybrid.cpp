@@ -177,8 +177,8 @@ class Tuner {
 };
 
 Tuner& tuner() {
-  static Tuner t;
-  return t;
+  static auto* t = new Tuner();  // never destroyed (its events), like DeviceState
+  return *t;
 }
 
 // Rows of `like`'s row shape and dtype over host bytes at `ptr`.
@@ -230,9 +230,11 @@ struct DeviceState {
 
 DeviceState& state_of(c10::DeviceIndex device) {
   static std::mutex mutex;
-  static std::map<c10::DeviceIndex, std::unique_ptr<DeviceState>> states;
+  // Never destroyed: at process exit, freeing pinned memory or events after torch's CUDA state
+  // is gone aborts the process (seen on the H100: "Unrecognized stream" from ~TensorImpl).
+  static auto* states = new std::map<c10::DeviceIndex, std::unique_ptr<DeviceState>>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& state = states[device];
+  auto& state = (*states)[device];
   if (!state) state = std::make_unique<DeviceState>();
   return *state;
 }
