@@ -132,24 +132,10 @@ struct Sample {
   int64_t rows = 0;
 };
 
-// The zero-copy path alone (no host wait, no CPU side) is the other choice for each shape of
-// call: timed from time to time, and taken whenever it was faster than the tuned split (small
-// tables, where zero-copy reads already run near the link rate).
-struct DirectSample {
-  std::shared_ptr<at::cuda::CUDAEvent> start, end;
-};
-
 struct Entry {
   double share = 0.5;
   std::optional<Sample> pending;
-  std::optional<DirectSample> pending_direct;
-  double split_ms = -1, direct_ms = -1;  // moving averages of call times; -1: not measured
-  int64_t calls = 0;
 };
-
-constexpr int64_t kRetryEvery = 32;  // calls between timings of the path not in use
-
-double average(double old, double sample) { return old < 0 ? sample : 0.7 * old + 0.3 * sample; }
 
 class Tuner {
  public:
@@ -162,7 +148,6 @@ class Tuner {
         e.pending.reset();
         const double zc_ms = s.start->elapsed_time(*s.zc_end);
         const double cpu_ms = std::max<double>(s.host_ms, s.start->elapsed_time(*s.dma_end));
-        e.split_ms = average(e.split_ms, std::max(zc_ms, cpu_ms));
         if (zc_ms > 0 && cpu_ms > 0) {
           // Rows per ms of each side; the share at which both would end together.
           const double zc_rate = s.share / zc_ms;
@@ -184,27 +169,6 @@ class Tuner {
   void record(const Key& key, Sample s) {
     std::lock_guard<std::mutex> lock(mutex_);
     entries_[key].pending = std::move(s);
-  }
-
-  // Whether this call takes the zero-copy path alone: the first calls tune the split, the next
-  // one times the direct path, then the faster one is taken and the other re-timed now and then.
-  bool prefer_direct(const Key& key) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Entry& e = entries_[key];
-    if (e.pending_direct && e.pending_direct->end->query()) {
-      e.direct_ms = average(e.direct_ms, e.pending_direct->start->elapsed_time(*e.pending_direct->end));
-      e.pending_direct.reset();
-    }
-    ++e.calls;
-    if (e.calls <= 3) return false;
-    if (e.direct_ms < 0) return !e.pending_direct;
-    const bool direct = e.split_ms < 0 || e.direct_ms < e.split_ms;
-    return e.calls % kRetryEvery == 0 ? !direct : direct;
-  }
-
-  void record_direct(const Key& key, DirectSample s) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_[key].pending_direct = std::move(s);
   }
 
  private:
@@ -427,16 +391,9 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
 
   const double fixed = g_fixed_share.load();
   const int64_t min_rows = tables[0].size(0);
-  const Key key{device.index(), wb.has_value(), load.has_value(), log2_bucket(n_wb + n_load),
-                log2_bucket(total_rb), log2_bucket(span), at::get_num_threads()};
-  const bool small = (n_wb + n_load) * total_rb < kHybridMinBytes;
-  const bool tuned = mapped && fixed < 0 && !small;
-  if (mapped && (fixed >= 1.0 || (fixed < 0 && small) || (tuned && tuner().prefer_direct(key)))) {
-    // The zero-copy path alone (small transfers, the test hook's share 1, or where it was
-    // timed faster): the indices go up through pinned memory, and the host does not wait.
-    DirectSample timing{std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
-                        std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault)};
-    if (tuned) timing.start->record(cur);
+  if (mapped && (fixed >= 1.0 || (fixed < 0 && (n_wb + n_load) * total_rb < kHybridMinBytes))) {
+    // Small transfers (and the test hook's share 1) go by zero-copy alone: the indices go up
+    // through pinned memory, and the host does not wait.
     Validation v(device);  // nothing to validate on the device: the values were checked
     if (wb) {
       DeviceIndex di(upload_via_pinned(*wb, device), std::nullopt);
@@ -445,10 +402,6 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
     if (load) {
       DeviceIndex di(upload_via_pinned(*load, device), std::nullopt);
       gather_pairs(pairs, di, v);
-    }
-    if (tuned) {
-      timing.end->record(cur);
-      tuner().record_direct(key, std::move(timing));
     }
     return;
   }
@@ -463,6 +416,8 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
   // The share of rows for the zero-copy side: none for tables a kernel cannot address
   // (pageable memory), else fixed by the test hook or tuned (after the wait above, so the
   // previous call's timing events on this stream have completed).
+  const Key key{device.index(), wb.has_value(), load.has_value(), log2_bucket(n_wb + n_load),
+                log2_bucket(total_rb), log2_bucket(span), at::get_num_threads()};
   const double share = !mapped ? 0.0 : fixed >= 0 ? fixed : tuner().share(key);
 
   Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
