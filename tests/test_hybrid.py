@@ -69,19 +69,26 @@ def test_swap_writes_back_then_loads(share, gen):
         assert torch.equal(b.cpu(), ref[load]), f"seed {gen.initial_seed()}"
 
 
+def gather_then_scatter(table, data, n, gen):
+    """Gathers n random rows of `table` (holding `data`) to the GPU and scatters new rows back
+    through CPU indices, checking both against plain indexing; returns the table's new data."""
+    index = cpu_index(n, data.shape[0], gen)
+    out = torch.empty((n, *data.shape[1:]), dtype=data.dtype, device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out)
+    assert torch.equal(out.cpu(), data[index]), f"seed {gen.initial_seed()}"
+    src = random_rows((n, *data.shape[1:]), data.dtype, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src)
+    data = last_wins_reference(data, index, src)
+    assert torch.equal(table, data), f"seed {gen.initial_seed()}"
+    return data
+
+
 def test_many_chunks_and_sorted_reads(share, gen):
-    # 1 KiB rows, 24 MiB per transfer: several 4 MiB CPU chunks and a sorted zero-copy side.
+    # 1 KiB rows, 24 MiB per transfer: several 2 MiB CPU chunks and a sorted zero-copy side.
     data = random_rows((8192, 256), torch.float32, gen)
     table = pinned(data)
     for _ in range(3):  # the automatic split moves between calls; every call must be exact
-        index = cpu_index(24576, 8192, gen)
-        out = torch.empty((24576, 256), device="cuda")
-        speedtorch_ops.pinned_gather_into(table, index, out)
-        assert torch.equal(out.cpu(), data[index])
-        src = random_rows((24576, 256), torch.float32, gen).cuda()
-        speedtorch_ops.pinned_scatter(table, index, src)
-        data = last_wins_reference(data, index, src)
-        assert torch.equal(table, data)
+        data = gather_then_scatter(table, data, 24576, gen)
 
 
 def test_more_stores_than_one_launch_holds(share, gen):
@@ -100,13 +107,7 @@ def test_pageable_table_moves_through_the_cpu(share, gen):
     data = random_rows((1000, 16), torch.float32, gen)
     table = data.clone()
     assert not table.is_pinned()
-    index = cpu_index(5000, 1000, gen)
-    out = torch.empty((5000, 16), device="cuda")
-    speedtorch_ops.pinned_gather_into(table, index, out)
-    assert torch.equal(out.cpu(), data[index])
-    src = random_rows((5000, 16), torch.float32, gen).cuda()
-    speedtorch_ops.pinned_scatter(table, index, src)
-    assert torch.equal(table, last_wins_reference(data, index, src))
+    gather_then_scatter(table, data, 5000, gen)
 
 
 def test_bad_index_writes_nothing(share, gen):
