@@ -56,18 +56,26 @@ def test_scatter_row_shapes(store, row_shape, gen):
 
 
 @pytest.mark.parametrize("store", STORES)
-def test_scatter_large_batch_parallel_path(store, gen):
-    # Big enough for the CPU kernel to split the table between threads.
-    data = random_rows((5000, 64), torch.float32, gen)
-    table = place(data, store)
-    index = random_index(20000, 5000, torch.int64, store, gen)
-    src = random_rows((20000, 64), torch.float32, gen).to(index.device)
-    speedtorch_ops.pinned_scatter(table, index, src)
-    assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
-    table2 = place(data, store)
-    speedtorch_ops.pinned_scatter(table2, index, src, accumulate=True)
-    ref = data.double().index_add_(0, index.cpu(), src.cpu().double())
-    assert torch.allclose(table2.cpu().double(), ref, rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("threads", [None, 7])
+def test_scatter_large_batch_parallel_path(store, threads, gen):
+    # Big enough for the CPU kernel to split the table between threads (7: an odd number of
+    # row ranges, more than this machine's cores).
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        data = random_rows((5000, 64), torch.float32, gen)
+        table = place(data, store)
+        index = random_index(20000, 5000, torch.int64, store, gen)
+        src = random_rows((20000, 64), torch.float32, gen).to(index.device)
+        speedtorch_ops.pinned_scatter(table, index, src)
+        assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
+        table2 = place(data, store)
+        speedtorch_ops.pinned_scatter(table2, index, src, accumulate=True)
+        # Exact: every row's values are added in index order, in float32.
+        assert torch.equal(table2.cpu(), sequential_add_reference(data, index, src))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("store", STORES)

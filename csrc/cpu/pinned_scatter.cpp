@@ -7,25 +7,63 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace speedtorch_ops {
 
 // Duplicate indices must resolve deterministically (the last one wins, or all add up in index
-// order). Instead of sorting, each task owns a contiguous range of table rows and walks the whole
-// index in order, touching only its own rows: no row is written by two threads, and each row
-// sees its updates in index order. Re-reading the index per task is cheap next to moving rows.
+// order). Instead of sorting, each task owns a contiguous range of table rows and visits the
+// positions that fall in its range in index order: no row is written by two threads, and each
+// row sees its updates in index order. The positions are bucketed by owner first (a counting
+// pass and a placing pass over chunks of the index, both parallel), so every task reads only
+// its own positions: O(n) work in all, not O(n x threads).
 template <typename index_t, typename Visit>
 static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes,
                            const Visit& visit) {
   const int64_t parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
                             ? 1
                             : std::min<int64_t>(at::get_num_threads(), rows);
-  at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
-    const int64_t lo = rows * p_begin / parts;
-    const int64_t hi = rows * p_end / parts;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = idx[i];
-      if (r >= lo && r < hi) visit(i, r);
+  if (parts <= 1) {
+    for (int64_t i = 0; i < n; ++i) visit(i, static_cast<int64_t>(idx[i]));
+    return;
+  }
+  const int64_t block = (rows + parts - 1) / parts;  // table rows per owner
+  const int64_t chunks = std::min<int64_t>(parts * 4, (n + 4095) / 4096);
+  const int64_t chunk = (n + chunks - 1) / chunks;
+  // count[c * parts + p]: positions of chunk c owned by p; then, after the scan, where chunk c's
+  // positions of owner p start in `order`.
+  std::vector<int64_t> count(chunks * parts, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* mine = count.data() + c * parts;
+      for (int64_t i = c * chunk, e = std::min(n, i + chunk); i < e; ++i) ++mine[idx[i] / block];
+    }
+  });
+  std::vector<int64_t> start(parts + 1, 0);
+  int64_t total = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    start[p] = total;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = count[c * parts + p];
+      count[c * parts + p] = total;
+      total += k;
+    }
+  }
+  start[parts] = total;
+  std::vector<int64_t> order(n);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* next = count.data() + c * parts;
+      for (int64_t i = c * chunk, e = std::min(n, i + chunk); i < e; ++i) {
+        order[next[idx[i] / block]++] = i;
+      }
+    }
+  });
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t k = start[p]; k < start[p + 1]; ++k) {
+        visit(order[k], static_cast<int64_t>(idx[order[k]]));
+      }
     }
   });
 }
