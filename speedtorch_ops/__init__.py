@@ -16,8 +16,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
     ) from e
 
 from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
-from .ops import (optimizer_state_swap, pinned_gather, pinned_gather_into, pinned_scatter,
-                  set_transfer_sm_limit, transfer_sm_limit)
+from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
+                  pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
 from .factories import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
                         CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
                         GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
@@ -31,6 +31,7 @@ __all__ = [
     "optimizer_state_swap",
     "set_transfer_sm_limit",
     "transfer_sm_limit",
+    "inductor_options",
     "empty_pinned",
     "pin_",
     "load_npy",

@@ -94,6 +94,20 @@ def transfer_sm_limit(sms: int) -> Iterator[None]:
         set_transfer_sm_limit(previous)
 
 
+def inductor_options() -> dict:
+    """Inductor options for compiled code that writes a table in place:
+    ``torch.compile(fn, options=speedtorch_ops.inductor_options())``.
+
+    Inductor's inference pass ``reorder_for_locality`` moves a read of a table (e.g. a gather
+    whose result is used later) past an in-place write of the same table, because it does not
+    treat the functionalized write (``auto_functionalized_v2``) as a mutation boundary; the
+    re-inplacing pass must then run the write on a full copy of the table (and a copy of a pinned
+    table is pageable, which the ops refuse). Without that pass the write stays in place. For
+    ``mode="reduce-overhead"`` pass ``{**inductor_options(), "triton.cudagraphs": True}``
+    (torch.compile takes ``mode`` or ``options``, not both)."""
+    return {"reorder_for_locality": False}
+
+
 # ---- fakes: shapes, dtypes and devices only; they read no data -------------------------------
 
 def _check_index_meta(index: Tensor, name: str) -> None:
