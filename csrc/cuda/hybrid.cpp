@@ -188,12 +188,6 @@ at::Tensor host_rows(char* ptr, const at::Tensor& like, int64_t n) {
   return at::from_blob(ptr, sizes, at::TensorOptions(like.scalar_type()));
 }
 
-at::Tensor upload_via_pinned(const at::Tensor& host, const c10::Device& device) {
-  auto pinned = at::empty(host.sizes(), host.options().pinned_memory(true));
-  pinned.copy_(host);
-  return pinned.to(device, /*non_blocking=*/true);  // torch keeps `pinned` until the copy ran
-}
-
 // Start offsets of each table's block in a store-major staging area of n rows per table.
 std::vector<int64_t> block_offsets(const std::vector<Pair>& pairs, int64_t n) {
   std::vector<int64_t> at;
@@ -348,7 +342,6 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
       }
     }
   }
-  sample.queued_ms = sample.host_ms = 0;
   sample.dma_end->record(dma);
   sample.dma_end->block(cur);  // later work on cur follows the copies
 }
@@ -375,34 +368,25 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
   const int64_t n_load = load ? load->numel() : 0;
   if (n_wb + n_load == 0 || tables.empty()) return;
 
+  // Table addresses for the zero-copy side: all tables must be mapped, else the CPU does it all.
   bool mapped = true;
   int64_t total_rb = 0, span = 0;
-  for (const auto& t : tables) {
-    mapped = mapped && is_mapped_host(t);
-    total_rb += row_bytes(t);
-    span = std::max<int64_t>(span, t.nbytes());
-  }
-  if (total_rb == 0) return;
   std::vector<Pair> pairs;
   for (const auto k : c10::irange(tables.size())) {
-    pairs.push_back({mapped ? device_rows(tables[k], "stores", device) : nullptr,
-                     static_cast<char*>(batch[k].mutable_data_ptr()), row_bytes(tables[k]), true});
+    char* rows = mapped_host_rows(tables[k]);
+    mapped = mapped && rows != nullptr;
+    total_rb += row_bytes(tables[k]);
+    span = std::max<int64_t>(span, tables[k].nbytes());
+    pairs.push_back({rows, static_cast<char*>(batch[k].mutable_data_ptr()), row_bytes(tables[k]),
+                     true});
   }
+  if (total_rb == 0) return;
 
   const double fixed = g_fixed_share.load();
   const int64_t min_rows = tables[0].size(0);
   if (mapped && (fixed >= 1.0 || (fixed < 0 && (n_wb + n_load) * total_rb < kHybridMinBytes))) {
-    // Small transfers (and the test hook's share 1) go by zero-copy alone: the indices go up
-    // through pinned memory, and the host does not wait.
-    Validation v(device);  // nothing to validate on the device: the values were checked
-    if (wb) {
-      DeviceIndex di(upload_via_pinned(*wb, device), std::nullopt);
-      scatter_pairs(pairs, di, min_rows, tables[0], accumulate, v);
-    }
-    if (load) {
-      DeviceIndex di(upload_via_pinned(*load, device), std::nullopt);
-      gather_pairs(pairs, di, v);
-    }
+    // Small transfers (and the test hook's share 1) go by zero-copy alone, with no host wait.
+    transfer_with_host_indices(pairs, wb, load, min_rows, tables[0], accumulate, device);
     return;
   }
 

@@ -27,14 +27,6 @@ void check_index_on(const at::Tensor& index, const char* name, const c10::Device
               " (where the rows go) or on the CPU, got ", index.device());
 }
 
-// An index given (and validated) on the host for a table on the GPU, sent up through pinned
-// memory so the copy does not wait for the stream.
-at::Tensor host_index_to(const at::Tensor& index, const c10::Device& device) {
-  const auto idx = index.to(at::kLong).contiguous();
-  auto pinned = at::empty(idx.sizes(), idx.options().pinned_memory(true));
-  return pinned.copy_(idx).to(device, /*non_blocking=*/true);
-}
-
 std::vector<Pair> pairs_of(at::TensorList tables, at::TensorList batch, const c10::Device& device) {
   std::vector<Pair> pairs;
   for (const auto k : c10::irange(tables.size())) {
@@ -77,16 +69,8 @@ void transfer(at::TensorList tables, at::TensorList batch,
                                  accumulate, device);
       return;
     }
-    auto pairs = pairs_of(tables, batch, device);
-    Validation v(device);  // values checked above; nothing to wait for
-    if (writeback_index) {
-      DeviceIndex di(host_index_to(*writeback_index, device), std::nullopt);
-      cuda_impl::scatter_pairs(pairs, di, min_rows, tables[0], accumulate, v);
-    }
-    if (load_index) {
-      DeviceIndex di(host_index_to(*load_index, device), std::nullopt);
-      cuda_impl::gather_pairs(pairs, di, v);
-    }
+    cuda_impl::transfer_with_host_indices(pairs_of(tables, batch, device), writeback_index,
+                                          load_index, min_rows, tables[0], accumulate, device);
     return;
   }
   auto pairs = pairs_of(tables, batch, device);
@@ -99,17 +83,6 @@ void transfer(at::TensorList tables, at::TensorList batch,
   if (wb) cuda_impl::scatter_pairs(pairs, *wb, min_rows, tables[0], accumulate, v);
   if (load) cuda_impl::gather_pairs(pairs, *load, v);
   v.raise_if_bad();
-}
-
-void check_accumulate_dtype(const at::Tensor& table) {
-  switch (table.scalar_type()) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kChar:
-    case at::kByte: case at::kShort: case at::kInt: case at::kLong: case at::kBool:
-      return;
-    default:
-      TORCH_CHECK(false, "accumulate=True supports float, half, bfloat16, double, int8, uint8, "
-                  "int16, int32, int64 and bool tables, got ", table.scalar_type());
-  }
 }
 
 }  // namespace
@@ -148,7 +121,7 @@ void pinned_scatter_cuda(at::Tensor& table, const at::Tensor& index, const at::T
   check_rows_like(src, "src", table, index.numel(), device);
   check_no_overlap(table, "table", src, "src");
   check_no_overlap(table, "table", index, "index");
-  if (accumulate) check_accumulate_dtype(table);
+  if (accumulate) cuda_impl::check_accumulate_dtype(table.scalar_type());
   transfer({table}, {src.contiguous()}, index, std::nullopt, accumulate, device);
 }
 

@@ -64,34 +64,33 @@ constexpr int64_t kMarkLastMaxRows = int64_t{64} << 20;
 
 }  // namespace
 
-bool is_mapped_host(const at::Tensor& table) {
-  if (!table.is_cpu()) return false;
-  if (table.numel() == 0) return true;
-  cudaPointerAttributes attr{};
-  const bool ok = cudaPointerGetAttributes(&attr, table.const_data_ptr()) == cudaSuccess;
-  (void)cudaGetLastError();
-  return ok && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr;
-}
-
-char* device_rows(const at::Tensor& table, const std::string& name, const c10::Device& device) {
+char* mapped_host_rows(const at::Tensor& table) {
   auto* ptr = static_cast<char*>(const_cast<void*>(table.const_data_ptr()));
-  if (table.is_cuda()) {
-    TORCH_CHECK(table.device() == device, name, " is on ", table.device(), " but the rows go to ",
-                device, "; keep the table (or pinned host memory), index and rows on one GPU");
-    return ptr;
-  }
-  TORCH_CHECK(table.is_cpu(), name, " must be a pinned CPU tensor or a CUDA tensor, got ",
-              table.device());
-  if (table.numel() == 0) return ptr;
+  if (!table.is_cpu() || table.numel() == 0) return nullptr;
   cudaPointerAttributes attr{};
   const bool ok = cudaPointerGetAttributes(&attr, ptr) == cudaSuccess;
   (void)cudaGetLastError();
-  TORCH_CHECK(ok && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, name,
+  return ok && attr.type == cudaMemoryTypeHost ? static_cast<char*>(attr.devicePointer) : nullptr;
+}
+
+char* device_rows(const at::Tensor& table, const std::string& name, const c10::Device& device) {
+  if (table.is_cuda()) {
+    TORCH_CHECK(table.device() == device, name, " is on ", table.device(), " but the rows go to ",
+                device, "; keep the table (or pinned host memory), index and rows on one GPU");
+    return static_cast<char*>(const_cast<void*>(table.const_data_ptr()));
+  }
+  TORCH_CHECK(table.is_cpu(), name, " must be a pinned CPU tensor or a CUDA tensor, got ",
+              table.device());
+  if (table.numel() == 0) return static_cast<char*>(const_cast<void*>(table.const_data_ptr()));
+  char* rows = mapped_host_rows(table);
+  TORCH_CHECK(rows != nullptr, name,
               " is in pageable host memory, but a CUDA index reads it in place: allocate it with "
               "speedtorch_ops.empty_pinned(...), pin it with speedtorch_ops.pin_(", name,
               "), or pass a CPU index");
-  return static_cast<char*>(attr.devicePointer);
+  return rows;
 }
+
+void check_accumulate_dtype(at::ScalarType dtype) { (void)elem_of(dtype); }
 
 cuda::Grid transfer_grid(const c10::Device& device) {
   const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
@@ -202,6 +201,27 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, int64_t m
                                           /*last_of_run=*/true, nullptr, v.status(), v.grid(),
                                           v.stream()));
   });
+}
+
+void transfer_with_host_indices(const std::vector<Pair>& pairs,
+                                const std::optional<at::Tensor>& writeback_index,
+                                const std::optional<at::Tensor>& load_index, int64_t min_rows,
+                                const at::Tensor& like, bool accumulate,
+                                const c10::Device& device) {
+  const auto upload = [&](const at::Tensor& index) {
+    const auto idx = index.to(at::kLong).contiguous();
+    auto pinned = at::empty(idx.sizes(), idx.options().pinned_memory(true));
+    return pinned.copy_(idx).to(device, /*non_blocking=*/true);  // torch keeps `pinned` alive
+  };
+  Validation v(device);  // nothing to validate on the device: the values were checked
+  if (writeback_index) {
+    DeviceIndex di(upload(*writeback_index), std::nullopt);
+    scatter_pairs(pairs, di, min_rows, like, accumulate, v);
+  }
+  if (load_index) {
+    DeviceIndex di(upload(*load_index), std::nullopt);
+    gather_pairs(pairs, di, v);
+  }
 }
 
 }  // namespace speedtorch_ops::cuda_impl

@@ -15,12 +15,16 @@
 
 namespace speedtorch_ops::cuda_impl {
 
-// Whether `table` is CPU memory a kernel can address in place (pinned, mapped).
-bool is_mapped_host(const at::Tensor& table);
+// The device-visible address of a CPU table's rows when a kernel can address them in place
+// (pinned, mapped memory), else nullptr.
+char* mapped_host_rows(const at::Tensor& table);
 
 // The address a kernel on `device` uses for `table`'s rows: device memory as is, or the mapped
 // address of pinned host memory. Pageable host memory: an error naming `name` and the fix.
 char* device_rows(const at::Tensor& table, const std::string& name, const c10::Device& device);
+
+// Raises unless accumulate=True supports the table's dtype.
+void check_accumulate_dtype(at::ScalarType dtype);
 
 // The launch grid of the transfer kernels on `device` (the SM cap applied).
 cuda::Grid transfer_grid(const c10::Device& device);
@@ -90,5 +94,14 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, const Vali
 // with accumulate, one pair only, all add up in index order).
 void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, int64_t min_rows,
                    const at::Tensor& like, bool accumulate, const Validation& v);
+
+// Write-back and/or load for every pair with indices given (and validated) on the host: sent up
+// through pinned memory (the copy does not wait for the stream), then the device path, with no
+// device-side validation and no host wait.
+void transfer_with_host_indices(const std::vector<Pair>& pairs,
+                                const std::optional<at::Tensor>& writeback_index,
+                                const std::optional<at::Tensor>& load_index, int64_t min_rows,
+                                const at::Tensor& like, bool accumulate,
+                                const c10::Device& device);
 
 }  // namespace speedtorch_ops::cuda_impl
