@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from . import ops
-from .memory import empty_pinned
+from .memory import empty_pinned, is_zero_copy_usable
 
 DTypeLike = Union[str, torch.dtype, np.dtype, type]
 
@@ -179,11 +179,6 @@ def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
     return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
 
 
-def zero_copy(table: Tensor) -> bool:
-    return table.is_cuda or (table.device.type == "cpu" and torch.cuda.is_available()
-                             and table.is_pinned())
-
-
 def hybrid(table: Tensor, device: torch.device) -> bool:
     """A host table a kernel cannot address (pageable, e.g. memory-mapped) with rows on a GPU:
     the ops take the ids on the CPU and move the rows through CPU threads and DMA.
@@ -192,7 +187,7 @@ def hybrid(table: Tensor, device: torch.device) -> bool:
     is faster for one large transfer from a multi-GiB table (bench/sweep.py): it waits for the
     stream at each call, and a training step's several mid-size calls lose more to those waits
     than they gain (demo on the H100, 4 M x 128 tables: 80 steps/s hybrid vs 105 zero-copy)."""
-    return not zero_copy(table) and device.type == "cuda"
+    return not is_zero_copy_usable(table) and device.type == "cuda"
 
 
 def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
@@ -200,7 +195,7 @@ def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
     GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path)."""
     if table.is_cuda:
         return plan.on(table.device)
-    if device.type == "cuda" and zero_copy(table):
+    if device.type == "cuda" and is_zero_copy_usable(table):
         return plan.on(device)
     return plan.cpu
 

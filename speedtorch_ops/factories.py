@@ -403,54 +403,50 @@ class DataGadgetMM(_GadgetBase):
 
 # ---- the torch-named families (0.1.6 GPUTorch.py, CPUTorchPinned.py, GenTorch.py) ----------
 
-class GPUPytorchModelFactory(_ModelSwitcher):
-    _attr = "pytorchGPUVar"
+class _FixedModelFactory(_ModelSwitcher):
+    """GPUPytorchModelFactory / CPUPytorchModelFactory: 0.1.6's signature, a fixed placement."""
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
-        super().__init__(model_variable, total_classes, embed_dimension, datatype, "cuda")
+        super().__init__(model_variable, total_classes, embed_dimension, datatype,
+                         self._fixed_placement)
         self.dtype = self._dtype
 
 
-class GPUPytorchOptimizerFactory(_OptimizerSwitcher):
-    _attr = "pytorchGPUVar"
-
+class _FixedOptimizerFactory(_OptimizerSwitcher):
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype=torch.float):
         super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
-                         dtype, "cuda")
+                         dtype, self._fixed_placement)
         self.dtype = self._dtype
 
 
-class GPUPytorchCOM(_COMBase):
-    _attr = "pytorchGPUVar"
-
+class _FixedCOM(_COMBase):
     def __init__(self, total_classes, datatype=torch.int32):
-        super().__init__(total_classes, datatype, "cuda")
+        super().__init__(total_classes, datatype, self._fixed_placement)
 
 
-class CPUPytorchModelFactory(_ModelSwitcher):
-    _attr = "pytorchCPUVar"
-
-    def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
-        super().__init__(model_variable, total_classes, embed_dimension, datatype, "pinned")
-        self.dtype = self._dtype
+class GPUPytorchModelFactory(_FixedModelFactory):
+    _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
 
-class CPUPytorchOptimizerFactory(_OptimizerSwitcher):
-    _attr = "pytorchCPUVar"
-
-    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
-                 dtype=torch.float):
-        super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
-                         dtype, "pinned")
-        self.dtype = self._dtype
+class GPUPytorchOptimizerFactory(_FixedOptimizerFactory):
+    _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
 
-class CPUPytorchCOM(_COMBase):
-    _attr = "pytorchCPUVar"
+class GPUPytorchCOM(_FixedCOM):
+    _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
-    def __init__(self, total_classes, datatype=torch.int32):
-        super().__init__(total_classes, datatype, "pinned")
+
+class CPUPytorchModelFactory(_FixedModelFactory):
+    _attr, _fixed_placement = "pytorchCPUVar", "pinned"
+
+
+class CPUPytorchOptimizerFactory(_FixedOptimizerFactory):
+    _attr, _fixed_placement = "pytorchCPUVar", "pinned"
+
+
+class CPUPytorchCOM(_FixedCOM):
+    _attr, _fixed_placement = "pytorchCPUVar", "pinned"
 
 
 def _torch_placement(deviceType, pinType) -> str:
