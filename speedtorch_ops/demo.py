@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import speedtorch_ops as so
 
@@ -110,53 +110,74 @@ def batch_source(a, corpus):
     return lambda step: batches[step % len(batches)]
 
 
-def train_switchers(a, corpus, device):
-    """The tables in pinned host memory (ordinary memory without a GPU), Adam state too."""
-    B, N = a.batch, a.negatives
-    model = SkipGram(B, B * (1 + N), a.dim).to(device)
-    optimizer = OPTIMIZERS[a.optimizer](model.parameters(), a.lr)
-    u_sw = so.ModelFactory(model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
-    v_sw = so.ModelFactory(model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
-    bound = 0.5 / a.dim
-    u_sw.uniformDistributionInit(-bound, bound)
-    v_sw.normalDistributionInit(0.0, bound)
-    u_opt = so.OptimizerFactory(optimizer, a.vocab, a.dim, model, "u_embeddings", CPUPinn=True)
-    v_opt = so.OptimizerFactory(optimizer, a.vocab, a.dim, model, "v_embeddings", CPUPinn=True)
-    u_opt.optInit()
-    v_opt.optInit()
-    centre = torch.as_tensor(u_sw.variableTransformer(B, 1), device=device)
-    context, negatives = (torch.as_tensor(x, device=device) for x in v_sw.variableTransformer(B, 1, N))
-    state_tables = len(u_opt.optVarList)
+class SwitcherTraining:
+    """The tables in pinned host memory (ordinary memory without a GPU), the optimizer state
+    too; a step loads the batch's rows, trains the batch-sized model, and writes the rows back."""
 
+    def __init__(self, a, device):
+        B, N = a.batch, a.negatives
+        self.model = SkipGram(B, B * (1 + N), a.dim).to(device)
+        self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr)
+        self.u_sw = so.ModelFactory(self.model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
+        self.v_sw = so.ModelFactory(self.model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
+        bound = 0.5 / a.dim
+        self.u_sw.uniformDistributionInit(-bound, bound)
+        self.v_sw.normalDistributionInit(0.0, bound)
+        self.u_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
+                                         "u_embeddings", CPUPinn=True)
+        self.v_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
+                                         "v_embeddings", CPUPinn=True)
+        self.u_opt.optInit()
+        self.v_opt.optInit()
+        self.centre = torch.as_tensor(self.u_sw.variableTransformer(B, 1), device=device)
+        self.context, self.negatives = (torch.as_tensor(x, device=device)
+                                        for x in self.v_sw.variableTransformer(B, 1, N))
+
+    def load(self, labels, ctx, negs) -> None:
+        with torch.no_grad():
+            self.u_sw.beforeForwardPass(labels)
+            self.v_sw.beforeForwardPass(ctx, negs)
+            self.u_opt.beforeForwardPass(labels)
+            self.v_opt.beforeForwardPass(ctx, negs)
+
+    def compute(self) -> Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(self.centre, self.context, self.negatives)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def write_back(self, labels, ctx, negs) -> None:
+        with torch.no_grad():
+            self.u_sw.afterOptimizerStep(labels)
+            self.v_sw.afterOptimizerStep(ctx, negs)
+            self.u_opt.afterOptimizerStep(labels)
+            self.v_opt.afterOptimizerStep(ctx, negs)
+
+    def tables(self) -> list:
+        return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
+                *self.v_opt.CUPYcorpi]
+
+
+def train_switchers(a, corpus, device):
+    run = SwitcherTraining(a, device)
     losses = []
     next_batch = batch_source(a, corpus)
     start = time.perf_counter()
     for step in progress(range(a.steps), a.steps):
-        labels, ctx, negs = next_batch(step)
-        with torch.no_grad():
-            u_sw.beforeForwardPass(labels)
-            v_sw.beforeForwardPass(ctx, negs)
-            u_opt.beforeForwardPass(labels)
-            v_opt.beforeForwardPass(ctx, negs)
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(centre, context, negatives)
-        loss.backward()
-        optimizer.step()
-        with torch.no_grad():
-            u_sw.afterOptimizerStep(labels)
-            v_sw.afterOptimizerStep(ctx, negs)
-            u_opt.afterOptimizerStep(labels)
-            v_opt.afterOptimizerStep(ctx, negs)
+        batch = next_batch(step)
+        run.load(*batch)
+        loss = run.compute()
+        run.write_back(*batch)
         if step % max(1, a.steps // 20) == 0 or step == a.steps - 1:
-            losses.append(float(loss.detach()))
+            losses.append(float(loss))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    rows_per_step = 2 * (B + B * (1 + N)) * (1 + state_tables)  # loaded + written back
-    host_bytes = sum(t.nbytes for t in [u_sw.CUPYcorpus, v_sw.CUPYcorpus,
-                                         *u_opt.CUPYcorpi, *v_opt.CUPYcorpi])
+    B, N = a.batch, a.negatives
+    rows_per_step = 2 * (B + B * (1 + N)) * (1 + len(run.u_opt.optVarList))  # loaded + written
     return dict(seconds=seconds, losses=losses, rows_per_step=rows_per_step,
-                host_table_bytes=host_bytes, table=u_sw.CUPYcorpus)
+                host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.u_sw.CUPYcorpus)
 
 
 def train_all_on_gpu(a, corpus, device):
@@ -176,7 +197,7 @@ def train_all_on_gpu(a, corpus, device):
     return time.perf_counter() - start
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vocab", type=int, default=20_000, help="rows of each embedding table")
     p.add_argument("--cluster-size", type=int, default=20, help="words per planted cluster")
@@ -194,7 +215,11 @@ def main(argv=None) -> None:
                    help="also time plain PyTorch with the whole tables on the GPU")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    a = parser().parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

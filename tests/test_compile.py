@@ -51,12 +51,6 @@ def test_inductor_reinplaces_the_table_mutation(gen):
     assert "speedtorch_ops.pinned_scatter.default(arg" in source, "the table was cloned"
 
 
-PINNED_LIST_MUTATION = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="Inductor does not re-inplace mutated list arguments: optimizer_state_swap runs on "
-           "pageable clones of pinned stores (refused). Call it outside compiled regions.")
-
-
 def _swap_rows(table, index, src):
     old = speedtorch_ops.pinned_gather(table, index)
     speedtorch_ops.pinned_scatter(table, index, src)
@@ -92,12 +86,14 @@ def test_inductor_reinplaces_an_independent_scatter(gen):
     assert _compile_swap_rows(gen), "the table was cloned"
 
 
-@pytest.mark.parametrize("store", ["cpu", pytest.param("pinned", marks=PINNED_LIST_MUTATION),
-                                   "cuda"])
+@pytest.mark.parametrize("store", STORES)
 def test_gather_into_and_swap_compile(store, gen):
+    """optimizer_state_swap mutates a list of tables: Inductor runs it on the tables themselves
+    (pinned stores included: a copy would be pageable and refused), with its default options."""
     dev = index_device(store)
-    stores = [place(random_rows((40, 4), torch.float32, gen), store) for _ in range(2)]
-    refs = [s.clone() for s in stores]
+    torch._dynamo.reset()
+    data = [random_rows((40, 4), torch.float32, gen) for _ in range(2)]
+    stores, refs = [place(d, store) for d in data], [place(d, store) for d in data]
 
     def step(stores, batch, wb, load, out):
         speedtorch_ops.optimizer_state_swap(stores, batch, wb, load)
@@ -208,14 +204,23 @@ def test_cuda_graph_capture_and_replay_with_new_indices(store, gen):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("store", [pytest.param("pinned", marks=pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="the compiled graph mutates a copy of the table (see "
-           "test_inductor_reinplaces_an_independent_scatter): pageable, so refused; capture with "
-           "torch.cuda.graph instead (test above)")), "cuda"])
-def test_reduce_overhead_mode_replays_correctly(store, gen):
+@pytest.mark.parametrize("store,ours", [("cuda", False), ("pinned", True), pytest.param(
+    "pinned", False, marks=pytest.mark.xfail(
+        strict=True, raises=RuntimeError,
+        reason="with Inductor's default options the compiled graph mutates a copy of the table "
+               "(see test_inductor_reinplaces_an_independent_scatter): pageable, so refused; "
+               "speedtorch_ops.inductor_options() avoids it (case above)"))])
+def test_reduce_overhead_mode_replays_correctly(store, ours, gen):
+    """ours: options={**speedtorch_ops.inductor_options(), "triton.cudagraphs": True}, the
+    reduce-overhead mode with our options (torch.compile takes mode or options, not both)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
     data = random_rows((300, 16), torch.float32, gen)
     table = place(data, store)
+    # CUDA-graph trees replay graphs that mutate an input only when it is a static input (a
+    # parameter, a buffer, or marked like this); otherwise they run the graph without CUDA graphs.
+    torch._dynamo.mark_static_address(table)
     reference = data.clone()
 
     def step(table, index, src):
@@ -223,7 +228,11 @@ def test_reduce_overhead_mode_replays_correctly(store, gen):
         speedtorch_ops.pinned_scatter(table, index, src)
         return rows * 2
 
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    if ours:
+        compiled = torch.compile(step, fullgraph=True, options={
+            **speedtorch_ops.inductor_options(), "triton.cudagraphs": True})
+    else:
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     for _ in range(6):  # the first calls warm up and record, the rest replay
         idx = torch.randperm(300, generator=gen)[:40]
         src = random_rows((40, 16), torch.float32, gen)
@@ -232,6 +241,7 @@ def test_reduce_overhead_mode_replays_correctly(store, gen):
         reference[idx] = src
         torch.cuda.synchronize()
         assert torch.equal(table.cpu(), reference)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "not run as a CUDA graph"
 
 
 def test_compiled_model_inside_factory_training(gen):
