@@ -2,6 +2,7 @@
 # Builds speedtorch_ops from source on a CUDA machine and runs every test there (the CUDA tests
 # and opcheck skip on machines without a GPU). Logs go to $OUT (default bench/out).
 #   bash bench/gpu_check.sh            # on the GPU machine, with its own python3 + torch
+#   bash bench/gpu_check.sh tests/x.py # only these tests (pytest arguments)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
@@ -24,4 +25,4 @@ export CC=${SPEEDTORCH_OPS_CC:-gcc} CXX=${SPEEDTORCH_OPS_CXX:-g++}
   "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 ldd speedtorch_ops/_C*.so | grep -q libstdc++ || { echo "_C links libstdc++ statically: set CXX"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest.log"
+"$PY" -m pytest -q -rs -p no:cacheprovider "${@:-tests}" 2>&1 | tee "$OUT/pytest.log"

@@ -117,8 +117,9 @@ class Plan:
         ops need not wait for their own device-side check."""
         if self.cpu.numel() == 0:
             return
-        if self._range is None:
-            self._range = (int(self.cpu.min()), int(self.cpu.max()))
+        if self._range is None:  # NumPy: torch wakes its thread pool for 50 k ids
+            ids = self.cpu.numpy()
+            self._range = (int(ids.min()), int(ids.max()))
         if self._range[0] < 0 or self._range[1] >= rows:
             bad = int(((self.cpu < 0) | (self.cpu >= rows)).nonzero()[0])
             raise RuntimeError(f"ids[{bad}] = {int(self.cpu[bad])} is out of range for a table of "
@@ -153,15 +154,26 @@ class Plan:
 _recent: list = []  # the last few plans: a table's model and optimizer factories share one
 
 
+def same_ids(a: Tensor, b: Tensor) -> bool:
+    """a == b for 1-D int64 CPU tensors: a few elements first (batches of a step differ there),
+    then all of them with NumPy (torch.equal costs ~0.2 ms for 50 k ids)."""
+    if a.shape != b.shape:
+        return False
+    x, y = a.numpy(), b.numpy()
+    return bool((x[:8] == y[:8]).all()) and bool(np.array_equal(x, y))
+
+
 def plan_for(pos, neg, device: torch.device) -> Plan:
     """The plan of these ids on `device`: reused when a recent call had the same ids (the model
     and optimizer factories of a table, and afterOptimizerStep after beforeForwardPass), so the
     ids are uploaded and sorted once per step."""
     ids = torch.as_tensor(reshaped_retrieval(pos, neg)).reshape(-1)
     check_ids_dtype(ids)
+    if ids.device.type == "cpu":  # NumPy converts without waking torch's thread pool
+        ids = torch.from_numpy(ids.numpy().astype(np.int64, copy=False))
     ids = ids.to("cpu", torch.int64)
     for plan in _recent:
-        if plan.device == device and torch.equal(ids, plan.cpu):
+        if plan.device == device and same_ids(ids, plan.cpu):
             return plan
     plan = Plan(ids, device)
     _recent.insert(0, plan)
@@ -190,12 +202,17 @@ def hybrid(table: Tensor, device: torch.device) -> bool:
     return not is_zero_copy_usable(table) and device.type == "cuda"
 
 
-def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
+# Experiment switch (bench/demo_profile.py): write-backs into pinned stores take the CPU index
+# (the hybrid path: DMA + CPU threads beside the zero-copy kernels) instead of the CUDA index.
+HYBRID_WRITEBACK = os.environ.get("SPEEDTORCH_OPS_HYBRID_WRITEBACK", "0") == "1"
+
+
+def index_for(table: Tensor, plan: Plan, device: torch.device, writeback: bool = False) -> Tensor:
     """The index to pass with rows on `device`: on the table's GPU for a CUDA table, on the rows'
     GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path)."""
     if table.is_cuda:
         return plan.on(table.device)
-    if device.type == "cuda" and is_zero_copy_usable(table):
+    if device.type == "cuda" and is_zero_copy_usable(table) and not (writeback and HYBRID_WRITEBACK):
         return plan.on(device)
     return plan.cpu
 
@@ -219,8 +236,8 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
     rows = rows.detach()
     if owners:
         rows = rows[plan.owner.to(rows.device)]
-    index = index_for(table, plan, rows.device)
-    where = rows.device if hybrid(table, rows.device) else index.device
+    index = index_for(table, plan, rows.device, writeback=True)
+    where = rows.device if rows.is_cuda and not table.is_cuda else index.device
     with ops.host_validated():
         ops.pinned_scatter(table, index, rows.to(where, table.dtype))
 
@@ -234,7 +251,7 @@ def swap(stores: list, batch: list, plan: Plan, device: torch.device, load: bool
     """One optimizer_state_swap for every state tensor: load rows plan.index into `batch`, or
     write `batch` back to them."""
     plan.check(stores[0].shape[0])
-    index = index_for(stores[0], plan, device)
+    index = index_for(stores[0], plan, device, writeback=not load)
     with ops.host_validated():
         ops.optimizer_state_swap(stores, batch, None if load else index, index if load else None)
 

@@ -1,0 +1,110 @@
+"""Can a write-back and a load run at once, each in its own PCIe direction? At the demo's shape
+(three 2 GiB pinned tables of 512 B rows, 49,152 random rows each way), times with CUDA events
+(medians): the zero-copy load alone; the write-back by zero-copy alone; the write-back's rows
+copied down by DMA into pinned staging alone; the load together with that DMA (two streams);
+the CPU scatter of the staged rows into the tables (16 threads) alone and beside the load.
+
+    python3 bench/duplex.py [--rows-per-table 4000000] [--batch 49152]
+"""
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+import speedtorch_ops as so
+from _timing import timed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows-per-table", type=int, default=4_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=49_152)
+    p.add_argument("--reps", type=int, default=20)
+    a = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    tables = [so.empty_pinned((a.rows_per_table, a.dim), torch.float32) for _ in range(3)]
+    for t in tables:
+        t.normal_(generator=gen)
+    load_cpu = torch.randint(0, a.rows_per_table, (a.batch,), generator=gen)
+    wb_cpu = torch.randperm(a.rows_per_table, generator=gen)[:a.batch]
+    load, wb = load_cpu.cuda(), wb_cpu.cuda()
+    batch = [torch.randn(a.batch, a.dim, device="cuda") for _ in range(3)]
+    out = [torch.empty_like(b) for b in batch]
+    staging = [torch.empty(b.shape, pin_memory=True) for b in batch]
+    side = torch.cuda.Stream()
+    nbytes = 3 * a.batch * a.dim * 4
+
+    def zc_load():
+        so.optimizer_state_swap(tables, out, None, load)
+
+    def zc_writeback():
+        so.optimizer_state_swap(tables, batch, wb, None)
+
+    def dma_down():
+        for s, b in zip(staging, batch):
+            s.copy_(b, non_blocking=True)
+
+    def load_and_dma():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dma_down()
+        zc_load()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def cpu_scatter():
+        so.optimizer_state_swap(tables, staging, wb_cpu, None)
+
+    def wall(fn, reps=a.reps):
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times[3:])
+
+    def load_beside_cpu_scatter():
+        worker = threading.Thread(target=cpu_scatter)
+        worker.start()
+        zc_load()
+        torch.cuda.synchronize()
+        worker.join()
+
+    print(f"3 tables of {a.rows_per_table:,} x {a.dim} float32 (pinned), {a.batch:,} random rows "
+          f"per table each way ({nbytes / 1e6:.1f} MB each way), {torch.get_num_threads()} threads")
+    for name, fn in [("zero-copy load", zc_load), ("zero-copy write-back", zc_writeback),
+                     ("DMA of the write-back rows to staging", dma_down),
+                     ("zero-copy load + DMA down at once", load_and_dma),
+                     ("zero-copy load, one call per table",
+                      lambda: [so.optimizer_state_swap([t], [o], None, load)
+                               for t, o in zip(tables, out)]),
+                     ("zero-copy write-back then load", lambda: (zc_writeback(), zc_load()))]:
+        ms = timed(fn, a.reps)
+        print(f"  {name:42s} {ms:7.3f} ms  {nbytes / ms / 1e6:6.1f} GB/s per direction")
+    def hybrid_writeback(share):
+        def go():
+            previous = torch.ops.speedtorch_ops._set_hybrid_share(share)
+            try:
+                so.optimizer_state_swap(tables, batch, wb_cpu, None)
+            finally:
+                torch.ops.speedtorch_ops._set_hybrid_share(previous)
+        return go
+
+    for name, fn in [("CPU scatter of staged rows, one swap (wall)", cpu_scatter),
+                     ("CPU scatter, one pinned_scatter per table", lambda: [
+                         so.pinned_scatter(t, wb_cpu, s) for t, s in zip(tables, staging)]),
+                     ("zero-copy load beside the CPU scatter", load_beside_cpu_scatter),
+                     ("hybrid write-back, share 0 (DMA + CPU)", hybrid_writeback(0.0)),
+                     ("hybrid write-back, share 0.5", hybrid_writeback(0.5)),
+                     ("hybrid write-back, tuned", hybrid_writeback(-1.0))]:
+        ms = wall(fn)
+        print(f"  {name:42s} {ms:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
