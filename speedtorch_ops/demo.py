@@ -133,12 +133,16 @@ class SwitcherTraining:
         self.context, self.negatives = (torch.as_tensor(x, device=device)
                                         for x in self.v_sw.variableTransformer(B, 1, N))
 
-    def load(self, labels, ctx, negs) -> None:
+    def _each_factory(self, method: str, labels, ctx, negs) -> None:
+        """factory.<method>(ids) for the weights and the optimizer state of both tables:
+        centre words for u, contexts then negatives for v (SpeedTorch's index order)."""
         with torch.no_grad():
-            self.u_sw.beforeForwardPass(labels)
-            self.v_sw.beforeForwardPass(ctx, negs)
-            self.u_opt.beforeForwardPass(labels)
-            self.v_opt.beforeForwardPass(ctx, negs)
+            for factory, ids in ((self.u_sw, (labels,)), (self.v_sw, (ctx, negs)),
+                                 (self.u_opt, (labels,)), (self.v_opt, (ctx, negs))):
+                getattr(factory, method)(*ids)
+
+    def load(self, labels, ctx, negs) -> None:
+        self._each_factory("beforeForwardPass", labels, ctx, negs)
 
     def compute(self) -> Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -148,11 +152,7 @@ class SwitcherTraining:
         return loss.detach()
 
     def write_back(self, labels, ctx, negs) -> None:
-        with torch.no_grad():
-            self.u_sw.afterOptimizerStep(labels)
-            self.v_sw.afterOptimizerStep(ctx, negs)
-            self.u_opt.afterOptimizerStep(labels)
-            self.v_opt.afterOptimizerStep(ctx, negs)
+        self._each_factory("afterOptimizerStep", labels, ctx, negs)
 
     def tables(self) -> list:
         return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
