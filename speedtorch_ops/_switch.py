@@ -202,14 +202,17 @@ def hybrid(table: Tensor, device: torch.device) -> bool:
     return not is_zero_copy_usable(table) and device.type == "cuda"
 
 
-def index_for(table: Tensor, plan: Plan, device: torch.device, duplex: bool = False) -> Tensor:
+# Experiment switch (bench/demo_profile.py): write-backs into pinned stores take the CPU index
+# (the hybrid path: DMA + CPU threads beside the zero-copy kernels) instead of the CUDA index.
+HYBRID_WRITEBACK = os.environ.get("SPEEDTORCH_OPS_HYBRID_WRITEBACK", "0") == "1"
+
+
+def index_for(table: Tensor, plan: Plan, device: torch.device, writeback: bool = False) -> Tensor:
     """The index to pass with rows on `device`: on the table's GPU for a CUDA table, on the rows'
-    GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path). duplex: a
-    write-back and a load in one call; a pinned table then takes the CPU index too, so the op
-    can move the write-back by DMA + CPU threads while the zero-copy kernels load."""
+    GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path)."""
     if table.is_cuda:
         return plan.on(table.device)
-    if device.type == "cuda" and is_zero_copy_usable(table) and not duplex:
+    if device.type == "cuda" and is_zero_copy_usable(table) and not (writeback and HYBRID_WRITEBACK):
         return plan.on(device)
     return plan.cpu
 
@@ -233,7 +236,7 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
     rows = rows.detach()
     if owners:
         rows = rows[plan.owner.to(rows.device)]
-    index = index_for(table, plan, rows.device)
+    index = index_for(table, plan, rows.device, writeback=True)
     where = rows.device if rows.is_cuda and not table.is_cuda else index.device
     with ops.host_validated():
         ops.pinned_scatter(table, index, rows.to(where, table.dtype))
@@ -248,19 +251,9 @@ def swap(stores: list, batch: list, plan: Plan, device: torch.device, load: bool
     """One optimizer_state_swap for every state tensor: load rows plan.index into `batch`, or
     write `batch` back to them."""
     plan.check(stores[0].shape[0])
-    index = index_for(stores[0], plan, device)
+    index = index_for(stores[0], plan, device, writeback=not load)
     with ops.host_validated():
         ops.optimizer_state_swap(stores, batch, None if load else index, index if load else None)
-
-
-def swap_both(stores: list, batch: list, writeback: Plan, load: Plan, device: torch.device) -> None:
-    """One optimizer_state_swap: write `batch` back to the rows of `writeback`, then load the
-    rows of `load` into it (a row in both comes back with its written value)."""
-    for plan in (writeback, load):
-        plan.check(stores[0].shape[0])
-    indices = [index_for(stores[0], plan, device, duplex=True) for plan in (writeback, load)]
-    with ops.host_validated():
-        ops.optimizer_state_swap(stores, batch, *indices)
 
 
 def check_loaded(name: str, loaded: Tensor, shape, dtype: torch.dtype) -> None:

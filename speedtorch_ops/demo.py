@@ -129,8 +129,6 @@ class SwitcherTraining:
                                          "v_embeddings", CPUPinn=True)
         self.u_opt.optInit()
         self.v_opt.optInit()
-        for factory in self.factories():  # each write-back rides with the next step's load
-            factory.defer_writeback = not a.immediate_writeback
         self.centre = torch.as_tensor(self.u_sw.variableTransformer(B, 1), device=device)
         self.context, self.negatives = (torch.as_tensor(x, device=device)
                                         for x in self.v_sw.variableTransformer(B, 1, N))
@@ -139,9 +137,9 @@ class SwitcherTraining:
         """factory.<method>(ids) for the weights and the optimizer state of both tables:
         centre words for u, contexts then negatives for v (SpeedTorch's index order)."""
         with torch.no_grad():
-            ids = ((labels,), (ctx, negs), (labels,), (ctx, negs))
-            for factory, its_ids in zip(self.factories(), ids):
-                getattr(factory, method)(*its_ids)
+            for factory, ids in ((self.u_sw, (labels,)), (self.v_sw, (ctx, negs)),
+                                 (self.u_opt, (labels,)), (self.v_opt, (ctx, negs))):
+                getattr(factory, method)(*ids)
 
     def load(self, labels, ctx, negs) -> None:
         self._each_factory("beforeForwardPass", labels, ctx, negs)
@@ -156,16 +154,7 @@ class SwitcherTraining:
     def write_back(self, labels, ctx, negs) -> None:
         self._each_factory("afterOptimizerStep", labels, ctx, negs)
 
-    def factories(self) -> list:
-        return [self.u_sw, self.v_sw, self.u_opt, self.v_opt]
-
-    def flush(self) -> None:
-        """Write back the last step's rows (deferred until the next load otherwise)."""
-        for factory in self.factories():
-            factory.flush()
-
     def tables(self) -> list:
-        self.flush()
         return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
                 *self.v_opt.CUPYcorpi]
 
@@ -187,9 +176,8 @@ def train_switchers(a, corpus, device):
     seconds = time.perf_counter() - start
     B, N = a.batch, a.negatives
     rows_per_step = 2 * (B + B * (1 + N)) * (1 + len(run.u_opt.optVarList))  # loaded + written
-    tables = run.tables()  # the last write-back included
     return dict(seconds=seconds, losses=losses, rows_per_step=rows_per_step,
-                host_table_bytes=sum(t.nbytes for t in tables), table=tables[0])
+                host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.u_sw.CUPYcorpus)
 
 
 def train_all_on_gpu(a, corpus, device):
@@ -225,9 +213,6 @@ def parser() -> argparse.ArgumentParser:
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
     p.add_argument("--baseline", action="store_true",
                    help="also time plain PyTorch with the whole tables on the GPU")
-    p.add_argument("--immediate-writeback", action="store_true",
-                   help="write each step's rows back in afterOptimizerStep instead of with the "
-                        "next step's load (defer_writeback, the default here)")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     return p

@@ -31,11 +31,8 @@ class _TableMethods:
     """Save, load, inspect and checkpoint the table(s) held in attribute ``_attr``."""
 
     _attr = "CUPYcorpus"
-    _pending = None  # a deferred write-back (see defer_writeback)
 
     def _tables(self) -> list:
-        if self._pending is not None:
-            self.flush()
         value = getattr(self, self._attr, None)
         if value is None:
             raise RuntimeError(f"{type(self).__name__} has no table yet: call an init method "
@@ -61,11 +58,7 @@ class _TableMethods:
         """Load a ``.npy`` written by saveCupy into the existing store (shape and dtype checked)."""
         self._load_into(torch.from_numpy(np.load(loadFileName, mmap_mode="c")), loadFileName)
 
-    def flush(self) -> None:
-        """Run a write-back that defer_writeback left pending (no-op otherwise)."""
-
     def saveTorch(self, saveFileName: str) -> None:
-        self._tables()
         value = getattr(self, self._attr)
         torch.save(value if not isinstance(value, list) else list(value), saveFileName)
 
@@ -81,7 +74,6 @@ class _TableMethods:
             table.copy_(part)
 
     def getCupyVar(self):
-        self._tables()  # runs a pending write-back first
         return getattr(self, self._attr)
 
     getTorchVar = getCupyVar
@@ -104,16 +96,7 @@ class _TableMethods:
 
 class _ModelSwitcher(_TableMethods):
     """One full embedding table; before each step the batch's rows become the weight of the
-    batch-sized module ``model_variable``, after the step they are written back.
-
-    ``defer_writeback = True`` (an extension; default False): afterOptimizerStep only records
-    the write-back, and the next beforeForwardPass does it together with its load in one
-    ``optimizer_state_swap`` (with pinned tables and a GPU model the write-back then crosses
-    PCIe by DMA while the load's rows come the other way). Every method that reads the table
-    (getNumpyVersion, save*, state_dict, getCupyVar, ...) and ``flush()`` run a pending
-    write-back first; code that reads the table attribute directly calls ``flush()`` first."""
-
-    defer_writeback = False
+    batch-sized module ``model_variable``, after the step they are written back."""
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype, placement):
         self.model_variable = model_variable
@@ -151,19 +134,10 @@ class _ModelSwitcher(_TableMethods):
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Load the batch's rows (positives, then negatives) into the module's weight."""
-        weight = self._weight()
-        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, weight.device)
-        pending, self._pending = self._pending, None
         (table,) = self._tables()
-        if pending is not None and pending[1].shape[0] == plan.cpu.numel():
-            written_plan, rows = pending
-            sw.swap_both([table], [rows], written_plan, plan, weight.device)
-            weight.data = rows
-        else:
-            if pending is not None:
-                sw.scatter(table, pending[0], pending[1], owners=False)
-            weight.data = sw.gather(table, plan, weight.device, table.dtype)
-        self._plan = plan
+        weight = self._weight()
+        self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, weight.device)
+        weight.data = sw.gather(table, self._plan, weight.device, table.dtype)
         if self._hooked is not weight:  # sums duplicate slots' gradients into their owner
             weight.register_hook(self._combine_duplicates)
             self._hooked = weight
@@ -175,27 +149,13 @@ class _ModelSwitcher(_TableMethods):
         """Write the batch's rows back into the table (each row once: its owner slot's value)."""
         (table,) = self._tables()
         plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, self._weight().device)
-        if self.defer_writeback:
-            plan.check(table.shape[0])  # bad ids raise here, at the call that passed them
-            rows = self._weight().data.detach()
-            self._pending = (plan, rows[plan.owner.to(rows.device)])
-            return
         sw.scatter(table, plan, self._weight().data)
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            (table,) = self._tables()
-            sw.scatter(table, pending[0], pending[1], owners=False)
 
 
 
 class _OptimizerSwitcher(_TableMethods):
     """The per-row optimizer state of one embedding: a full table per state tensor, swapped in
-    and out of ``optimizer.state[weight]`` around each step. ``defer_writeback``: as for the
-    model factories (one swap call per step moves the last batch's state out and the next in)."""
-
-    defer_writeback = False
+    and out of ``optimizer.state[weight]`` around each step."""
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype, placement):
@@ -230,19 +190,10 @@ class _OptimizerSwitcher(_TableMethods):
         return all(s.dtype == self._param.dtype and sw.swappable(s, device) for s in stores)
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
-        pending, self._pending = self._pending, None
         stores = self._tables() if self.optVarList else []
         state = self.given_optimizer.state[self._param]
         device = self._param.device
         self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
-        if pending is not None:
-            written_plan, rows = pending
-            if rows[0].shape[0] == self._plan.cpu.numel():
-                sw.swap_both(stores, rows, written_plan, self._plan, device)
-                for key, r in zip(self.optVarList, rows):
-                    state[key] = r
-                return
-            sw.swap(stores, rows, written_plan, device, load=False)
         shape = (self._plan.cpu.numel(), self.embed_dimension)
         batch = []
         for key in self.optVarList:
@@ -269,20 +220,10 @@ class _OptimizerSwitcher(_TableMethods):
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]
-            if self.defer_writeback:
-                plan.check(stores[0].shape[0])  # bad ids raise here, at the call that passed them
-                self._pending = (plan, rows)
-                return
             sw.swap(stores, rows, plan, device, load=False)
         else:
             for store, key in zip(stores, self.optVarList):
                 sw.scatter(store, plan, state[key])
-
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            sw.swap(self._tables(), pending[1], pending[0], self._param.device, load=False)
 
 
 class _COMBase(_TableMethods):

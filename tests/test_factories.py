@@ -82,13 +82,11 @@ def factories(store, model, opt, dtype):
     return mk(model.u_embeddings), mk(model.v_embeddings), ok("u_embeddings"), ok("v_embeddings")
 
 
-def train_switchers(device, store, opt_name, data, init_u, init_v, defer=False):
+def train_switchers(device, store, opt_name, data, init_u, init_v):
     dtype = torch.float64
     model = SlotModel(B, B * (P + N), sparse=opt_name == "SparseAdam").to(device, dtype)
     opt = make_optimizer(opt_name, model.parameters())
     u_sw, v_sw, u_opt, v_opt = factories(store, model, opt, dtype)
-    for factory in (u_sw, v_sw, u_opt, v_opt):
-        factory.defer_writeback = defer
     u_sw.customInit(lambda t: t.copy_(init_u))
     v_sw.customInit(lambda t: t.copy_(init_v))
     u_opt.optInit()
@@ -195,45 +193,3 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
         for k, key in enumerate(opt_sw.optVarList):
             assert torch.allclose(stacked[k], states[name][key], rtol=1e-10, atol=1e-10), (msg, key)
 
-
-
-@pytest.mark.parametrize("device,store", CONFIGS)
-@pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("opt_name", ["Adam", "SGD-momentum", "Rprop"])
-def test_deferred_writeback_equals_immediate(device, store, duplicates, opt_name, gen):
-    """defer_writeback: each write-back runs with the next step's load (one swap call); the
-    tables and optimizer state end up bit for bit as with immediate write-backs. Consecutive
-    batches share rows (with duplicates: most of them)."""
-    data = batches(5, duplicates, gen)
-    init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
-    init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
-    runs = [train_switchers(device, store, opt_name, data, init_u, init_v, defer=defer)
-            for defer in (False, True)]
-    deferred = runs[1]
-    assert all(f._pending is not None for f in deferred), "the last write-back should be pending"
-    for immediate_sw, deferred_sw in zip(*runs):
-        expected = immediate_sw.getNumpyVersion()
-        got = deferred_sw.getNumpyVersion()  # runs the pending write-back first
-        assert deferred_sw._pending is None
-        assert np.array_equal(got, expected), f"{opt_name} seed {gen.initial_seed()}"
-
-
-def test_deferred_writeback_flushes_before_reads_and_checks_ids_early(gen):
-    model = nn.Embedding(4, D, dtype=torch.float64)
-    sw = so.PytorchModelFactory(model, V, D, torch.float64, deviceType="cpu")
-    init = torch.randn(V, D, dtype=torch.float64, generator=gen)
-    sw.customInit(lambda t: t.copy_(init))
-    sw.defer_writeback = True
-    ids = np.array([3, 9, 3, 17])
-    sw.beforeForwardPass(ids)
-    with torch.no_grad():
-        model.weight.add_(1.0)
-    sw.afterOptimizerStep(ids)
-    expected = init.clone()
-    expected[[3, 9, 17]] += 1.0  # slot 2 repeats row 3: the owner slot's value is written
-    assert torch.equal(sw.pytorchGPUVar, init), "nothing written before a read or the next load"
-    assert torch.equal(sw.getCupyVar(), expected)  # reading through a method flushes
-    with pytest.raises(RuntimeError, match="out of range"):
-        sw.afterOptimizerStep(np.array([3, 9, 3, V]))
-    assert sw._pending is None and torch.equal(sw.pytorchGPUVar, expected)
-    assert torch.equal(sw.state_dict()["tables"][0], expected)

@@ -69,53 +69,6 @@ def test_swap_writes_back_then_loads(share, gen):
         assert torch.equal(b.cpu(), ref[load]), f"seed {gen.initial_seed()}"
 
 
-def test_duplex_swap_steps(gen):
-    """Automatic share, write-back and load together (the duplex mode: write-back by DMA + CPU
-    threads, load by the zero-copy kernels, rows in both taken from the device copy): several
-    steps in a row, each batch computed on the stream right before the call (after a sleep, so a
-    missing wait would read stale rows), consecutive batches sharing rows, duplicates in both."""
-    previous = _ops._set_hybrid_share.default(-1.0)
-    try:
-        datas = [random_rows((6000, 64), torch.float32, gen), random_rows((6000, 32), torch.float64, gen)]
-        stores = [pinned(d) for d in datas]
-        refs = [d.clone() for d in datas]
-        n = 16384  # 6 MiB per direction: past the small-transfer cut
-        wb = cpu_index(n, 6000, gen)
-        batch = [r[wb].cuda() for r in refs]
-        for _ in range(4):
-            load = torch.cat([wb[torch.randperm(n, generator=gen)[: n // 3]],
-                              cpu_index(n - n // 3, 6000, gen)])
-            torch.cuda._sleep(2_000_000)
-            for b in batch:
-                b.mul_(-1.5).add_(0.25)  # the step's update, queued behind the sleep
-            written = [b.clone() for b in batch]
-            speedtorch_ops.optimizer_state_swap(stores, batch, wb, load)
-            refs = [last_wins_reference(r, wb, w.cpu()) for r, w in zip(refs, written)]
-            for s, r, b in zip(stores, refs, batch):
-                assert torch.equal(s, r), f"seed {gen.initial_seed()}"
-                assert torch.equal(b.cpu(), r[load]), f"seed {gen.initial_seed()}"
-            wb = load
-    finally:
-        _ops._set_hybrid_share.default(previous)
-
-
-def test_duplex_swap_with_more_stores_than_one_launch_holds(gen):
-    previous = _ops._set_hybrid_share.default(-1.0)
-    try:
-        datas = [random_rows((900, 8 + k), torch.float32, gen) for k in range(10)]
-        stores = [pinned(d) for d in datas]
-        n = 30000
-        wb, load = cpu_index(n, 900, gen), cpu_index(n, 900, gen)
-        batch = [random_rows((n, d.shape[1]), torch.float32, gen).cuda() for d in datas]
-        written = [b.cpu() for b in batch]
-        speedtorch_ops.optimizer_state_swap(stores, batch, wb, load)
-        for d, s, b, w in zip(datas, stores, batch, written):
-            ref = last_wins_reference(d, wb, w)
-            assert torch.equal(s, ref) and torch.equal(b.cpu(), ref[load])
-    finally:
-        _ops._set_hybrid_share.default(previous)
-
-
 def gather_then_scatter(table, data, n, gen):
     """Gathers n random rows of `table` (holding `data`) to the GPU and scatters new rows back
     through CPU indices, checking both against plain indexing; returns the table's new data."""

@@ -16,12 +16,11 @@ void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
     if (wb) check_index_values(*wb, store.size(0), "writeback_index");
     if (load) check_index_values(*load, store.size(0), "load_index");
   }
-  const std::vector<at::Tensor> tables(stores.begin(), stores.end());
-  const std::vector<at::Tensor> rows(batch.begin(), batch.end());
-  if (wb) scatter_rows_cpu_tables(tables, *wb, rows);  // all stores in one pass
   for (const auto k : c10::irange(stores.size())) {
-    auto out = batch[k];
-    if (load) gather_rows_cpu(stores[k], *load, out);
+    auto store = stores[k];
+    auto b = batch[k];
+    if (wb) scatter_rows_cpu(store, *wb, b, /*accumulate=*/false);
+    if (load) gather_rows_cpu(store, *load, b);
   }
 }
 

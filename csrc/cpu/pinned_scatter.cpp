@@ -6,8 +6,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <c10/util/irange.h>
-
 #include <algorithm>
 #include <vector>
 
@@ -70,40 +68,23 @@ static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t 
   });
 }
 
-void scatter_rows_cpu_tables(const std::vector<at::Tensor>& tables, const at::Tensor& index,
-                             const std::vector<at::Tensor>& srcs) {
-  const int64_t n = index.numel();
-  int64_t rows = 0, widest = 0;
-  std::vector<char*> dst;
-  std::vector<const char*> src;
-  std::vector<int64_t> rb;
-  for (const auto k : c10::irange(tables.size())) {
-    rows = std::max(rows, tables[k].size(0));
-    rb.push_back(row_bytes(tables[k]));
-    widest = std::max(widest, rb.back());
-    dst.push_back(static_cast<char*>(const_cast<void*>(tables[k].const_data_ptr())));
-    src.push_back(static_cast<const char*>(srcs[k].const_data_ptr()));
-  }
-  if (n == 0 || widest == 0) return;
-  AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "scatter_rows_cpu_tables", [&] {
-    for_each_owned(index.const_data_ptr<index_t>(), n, rows, widest, [&](int64_t i, int64_t r) {
-      for (const auto k : c10::irange(dst.size())) {
-        copy_rows_cpu(dst[k], src[k], rb[k], i, i + 1,
-                      [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
-      }
-    });
-  });
-}
-
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate) {
-  if (!accumulate) return scatter_rows_cpu_tables({table}, index, {src});
   const int64_t n = index.numel();
   const int64_t rb = row_bytes(table);
   if (n == 0 || rb == 0) return;
   const int64_t rows = table.size(0);
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "scatter_rows_cpu", [&] {
     const index_t* idx = index.const_data_ptr<index_t>();
+    if (!accumulate) {
+      char* dst = static_cast<char*>(table.mutable_data_ptr());
+      const char* s = static_cast<const char*>(src.const_data_ptr());
+      for_each_owned(idx, n, rows, rb, [&](int64_t i, int64_t r) {
+        copy_rows_cpu(dst, s, rb, i, i + 1,
+                      [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
+      });
+      return;
+    }
     AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, table.scalar_type(),
                                "scatter_rows_cpu_accumulate", [&] {
       const int64_t width = rb / static_cast<int64_t>(sizeof(scalar_t));

@@ -10,9 +10,6 @@
 //         lands. Then the host gathers the load rows chunk by chunk into pinned staging, each
 //         chunk copied up while the next is gathered, and one launch moves them into the batch.
 //   cur waits for dma at the end; the call returns when the host part is done.
-// A call with both a write-back and a load and the automatic share takes the duplex mode
-// instead (duplex_swap below): the whole write-back by DMA + CPU threads, the whole load by the
-// zero-copy kernels at the same time, in opposite PCIe directions, with no wait at the start.
 #include "hybrid.h"
 
 #include "speedtorch_ops/checks.h"
@@ -248,11 +245,6 @@ class Staging {
     host_ = pinned_area(arena, offset_.back());
   }
 
-  // The scratch is read by work on `stream` too: its memory is reused only after that work.
-  void used_on(const at::cuda::CUDAStream& stream) {
-    if (scratch_.defined()) scratch_.record_stream(stream);
-  }
-
   char* device_block(size_t k) { return static_cast<char*>(scratch_.mutable_data_ptr()) + offset_[k]; }
   char* host_block(size_t k) { return static_cast<char*>(host_.mutable_data_ptr()) + offset_[k]; }
 
@@ -354,65 +346,6 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   sample.dma_end->block(cur);  // later work on cur follows the copies
 }
 
-// A write-back and a load in one call, each in its own PCIe direction: the write-back's rows
-// are copied to device scratch, DMA'd down in chunks (device -> host) and scattered by CPU
-// threads as each chunk lands, while the zero-copy kernels read the load's rows (host ->
-// device). A row the write-back is moving is loaded from the scratch instead of its table, so
-// the two sides never touch the same table row and the load sees the written-back value. The
-// host touches the tables only after the chunks land, which follows all work queued on cur
-// before the call: no wait for the stream at the start. Returns when the tables hold the
-// written-back rows (later calls and kernels see them).
-void duplex_swap(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
-                 const at::Tensor& wb, const at::Tensor& load, const c10::Device& device,
-                 const at::cuda::CUDAStream& cur, DeviceState& state) {
-  const int64_t n = wb.numel();
-  auto host_idx = pinned_area(state.upload, 2 * n * 8).view(at::kLong);
-  host_idx.narrow(0, 0, n).copy_(wb);
-  host_idx.narrow(0, n, n).copy_(load);
-  const auto dev_idx = host_idx.to(device, /*non_blocking=*/true);
-  Validation v(device);  // nothing to validate on the device: the values were checked
-  DeviceIndex wdi(dev_idx.narrow(0, 0, n), std::nullopt);
-  DeviceIndex ldi(dev_idx.narrow(0, n, n), std::nullopt);
-  wdi.sorted();  // sorted on cur, before the event the copies wait for
-  at::cuda::CUDAEvent ready;
-  ready.record(cur);
-  const auto dma = dma_stream(device.index());
-  ready.block(dma);
-
-  Staging down(pairs, n, device, dma, state.down);
-  move_blocks(pairs, down, /*to_batch=*/false, nullptr, n, v, dma);  // scratch = batch
-  at::cuda::CUDAEvent copied;
-  copied.record(dma);
-  int64_t total_rb = 0;
-  for (const auto& p : pairs) total_rb += p.row_bytes;
-  // About eight chunks: few enough that the CPU threads start few parallel passes, enough that
-  // the copy and the scatter overlap.
-  const int64_t chunk = std::max<int64_t>(1024, std::max(kChunkBytes, n * total_rb / 8) / total_rb);
-  std::vector<at::cuda::CUDAEvent> landed;
-  for (int64_t b = 0; b < n; b += chunk) {
-    down.copy_chunk(pairs, b, std::min(chunk, n - b), cudaMemcpyDeviceToHost, dma);
-    landed.emplace_back();
-    landed.back().record(dma);
-  }
-
-  copied.block(cur);  // the batch was copied before the load overwrites it
-  InFlight in_flight{&wdi, {}};
-  for (const auto k : c10::irange(pairs.size())) in_flight.rows.push_back(down.device_block(k));
-  gather_pairs(pairs, ldi, v, &in_flight);
-  down.used_on(cur);  // the load reads the scratch on cur
-
-  for (size_t c = 0; c < landed.size(); ++c) {
-    const int64_t b = static_cast<int64_t>(c) * chunk;
-    const int64_t len = std::min(chunk, n - b);
-    landed[c].synchronize();
-    std::vector<at::Tensor> rows;
-    for (const auto k : c10::irange(pairs.size())) rows.push_back(down.rows(pairs, k, b, len, tables[k]));
-    scatter_rows_cpu_tables(tables, wb.narrow(0, b, len), rows);
-  }
-  state.last_done.emplace();
-  state.last_done->record(dma);  // complete already: the host waited for every chunk
-}
-
 }  // namespace
 
 double set_hybrid_share(double share) {
@@ -460,10 +393,6 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
   DeviceState& state = state_of(device.index());
   std::lock_guard<std::mutex> lock(state.mutex);
   if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
-  if (mapped && fixed < 0 && wb && load && n_wb == n_load && !accumulate) {
-    duplex_swap(pairs, tables, *wb, *load, device, cur, state);
-    return;
-  }
   auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
   start->record(cur);
   start->synchronize();  // the host touches tables and batch only after the work queued before

@@ -38,10 +38,11 @@ Shape shape_for(int64_t items, int team_log2, Grid grid) {
 }
 
 // Calls go(V{}) with the widest access V (up to 16 bytes) that divides every table's row size
-// and base addresses (and `align`, more addresses OR-ed together); rows that are not a multiple of 16 bytes take a narrower, never a wrong,
+// and base addresses; rows that are not a multiple of 16 bytes take a narrower, never a wrong,
 // path.
 template <typename Go>
-cudaError_t by_vector_width(const Tables& t, const Go& go, uintptr_t align = 0) {
+cudaError_t by_vector_width(const Tables& t, const Go& go) {
+  uintptr_t align = 0;
   for (int k = 0; k < t.count; ++k) {
     align |= reinterpret_cast<uintptr_t>(t.dst[k]) | reinterpret_cast<uintptr_t>(t.src[k]) |
              static_cast<uintptr_t>(t.row_bytes[k]);
@@ -70,17 +71,6 @@ __device__ __forceinline__ int64_t run_end(const int64_t* __restrict__ sorted, i
   int64_t end = j + 1;
   while (end < n && sorted[end] == row) ++end;
   return end;
-}
-
-// The last position p with sorted[p] == row, or -1 (sorted ascending, n entries).
-__device__ __forceinline__ int64_t last_position(const int64_t* __restrict__ sorted, int64_t n,
-                                                 int64_t row) {
-  int64_t lo = 0, hi = n;  // first position with sorted[p] > row
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (sorted[mid] <= row) lo = mid + 1; else hi = mid;
-  }
-  return lo > 0 && sorted[lo - 1] == row ? lo - 1 : -1;
 }
 
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
@@ -134,7 +124,7 @@ __global__ void copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
 template <typename V>
 __global__ void gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
                                      const int64_t* __restrict__ perm, int64_t n, int team_log2,
-                                     const int64_t* __restrict__ status, Lookup lookup) {
+                                     const int64_t* __restrict__ status) {
   if (status[0] != 0) return;
   const int lane = threadIdx.x & ((1 << team_log2) - 1);
   const int64_t teams_per_block = blockDim.x >> team_log2;
@@ -147,16 +137,7 @@ __global__ void gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorte
     const int64_t end = run_end(sorted, n, j);
     if (end < 0) continue;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
-    const char* src = t.src[k];
-    int64_t row = sorted[j];
-    if (lookup.n > 0) {
-      const int64_t p = last_position(lookup.sorted, lookup.n, row);
-      if (p >= 0) {
-        src = lookup.rows[k];
-        row = lookup.slots[p];
-      }
-    }
-    const V* from = reinterpret_cast<const V*>(src) + row * row_vecs;
+    const V* from = reinterpret_cast<const V*>(t.src[k]) + sorted[j] * row_vecs;
     V* to = reinterpret_cast<V*>(t.dst[k]);
     for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) {
       const V value = from[c];
@@ -247,19 +228,15 @@ cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
 
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
                                  int64_t n, const int64_t* status, Grid grid,
-                                 cudaStream_t stream, const Lookup& lookup) {
-  uintptr_t lookup_align = 0;  // the vector width must also suit the lookup's rows
-  for (int k = 0; lookup.n > 0 && k < t.count; ++k) {
-    lookup_align |= reinterpret_cast<uintptr_t>(lookup.rows[k]);
-  }
+                                 cudaStream_t stream) {
   return by_vector_width(t, [&](auto vec) {
     using V = decltype(vec);
     const int team_log2 = team_log2_of<V>(t);
     const Shape shape = shape_for(n * t.count, team_log2, grid);
     gather_sorted_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
-        t, sorted, perm, n, team_log2, status, lookup);
+        t, sorted, perm, n, team_log2, status);
     return cudaGetLastError();
-  }, lookup_align);
+  });
 }
 
 cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const char* src,

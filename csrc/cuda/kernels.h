@@ -50,23 +50,11 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
                              const int64_t* status, cudaStream_t stream);
 
-// Rows a gather takes from device copies instead of the tables: a row found in `sorted` (n
-// ascending entries, e.g. the rows a write-back is moving at the same time) is read from
-// rows[k] at slot slots[p], p the last position of its run (the last duplicate wins). n == 0:
-// no lookup.
-struct Lookup {
-  const int64_t* sorted;
-  const int64_t* slots;
-  int64_t n;
-  const char* rows[kMaxTables];
-};
-
 // For every table: dst row perm[j] = src row sorted[j] for j in [0, n), with `sorted` ascending:
 // rows are read in address order and each distinct row once (a repeated row crosses PCIe once).
-// Rows found in `lookup` come from its device copies instead.
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
                                  int64_t n, const int64_t* status, Grid grid,
-                                 cudaStream_t stream, const Lookup& lookup = Lookup{});
+                                 cudaStream_t stream);
 
 // Element types of accumulate.
 enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };

@@ -149,26 +149,16 @@ const at::Tensor& DeviceIndex::sorted_slots() {
   return *sorted_slots_;
 }
 
-void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, const Validation& v,
-                  const InFlight* in_flight) {
+void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, const Validation& v) {
   const int64_t n = index.size();
   if (n == 0) return;
   const bool any_host = std::any_of(pairs.begin(), pairs.end(), [](const Pair& p) { return p.host; });
-  const bool sorted = in_flight != nullptr || (any_host && n >= kSortedGatherMin);
-  size_t first = 0;  // the group's first pair
+  const bool sorted = any_host && n >= kSortedGatherMin;
   for_each_group(pairs, /*to_batch=*/true, [&](const cuda::Tables& t) {
-    cuda::Lookup lookup{};
-    if (in_flight != nullptr && in_flight->index->size() > 0) {
-      lookup.sorted = in_flight->index->sorted().const_data_ptr<int64_t>();
-      lookup.slots = in_flight->index->sorted_slots().const_data_ptr<int64_t>();
-      lookup.n = in_flight->index->size();
-      for (int k = 0; k < t.count; ++k) lookup.rows[k] = in_flight->rows[first + k];
-    }
-    first += t.count;
     if (sorted) {
       C10_CUDA_CHECK(cuda::launch_gather_sorted(t, index.sorted().const_data_ptr<int64_t>(),
                                                 index.sorted_slots().const_data_ptr<int64_t>(), n,
-                                                v.status(), v.grid(), v.stream(), lookup));
+                                                v.status(), v.grid(), v.stream()));
     } else {
       C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.slots(), index.rows().const_data_ptr<int64_t>(),
                                             n, false, nullptr, v.status(), v.grid(), v.stream()));

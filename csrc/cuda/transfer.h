@@ -87,17 +87,8 @@ class DeviceIndex {
   std::optional<at::Tensor> sorted_, sorted_slots_;
 };
 
-// Device copies of rows that a write-back is moving while a load runs: the rows of `index`
-// (sorted), pair k's copy at rows[k] in the index's slot order.
-struct InFlight {
-  DeviceIndex* index;
-  std::vector<const char*> rows;
-};
-
 // batch[k][slot j] = table[k][row j] for every pair, one launch per group of kMaxTables pairs.
-// With `in_flight`, rows it holds are read from its copies (sorted order, always).
-void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, const Validation& v,
-                  const InFlight* in_flight = nullptr);
+void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, const Validation& v);
 
 // table[k][row j] = batch[k][slot j] for every pair; duplicate rows: the last slot wins (or,
 // with accumulate, one pair only, all add up in index order).

@@ -38,10 +38,6 @@ int64_t row_bytes(const at::Tensor& table);
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate);
-// tables[k][index[i]] = srcs[k][i] for every k, one pass over the index (the last duplicate
-// wins); tables may differ in row size and row count.
-void scatter_rows_cpu_tables(const std::vector<at::Tensor>& tables, const at::Tensor& index,
-                             const std::vector<at::Tensor>& srcs);
 
 // Kernels, named <op>_<device>, with the schema's signature.
 at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index);
