@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from speedtorch_ops import _switch, demo
+from speedtorch_ops import demo
 
 PHASES = ("load", "compute", "write_back")
 
@@ -21,11 +21,8 @@ def main() -> None:
     p = demo.parser()
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--measure", type=int, default=50)
-    p.add_argument("--hybrid-writeback", action="store_true",
-                   help="write-backs into pinned stores through the hybrid path (CPU index)")
     p.add_argument("--no-profiler", action="store_true")
     a = p.parse_args()
-    _switch.HYBRID_WRITEBACK = a.hybrid_writeback
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = demo.Corpus(a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(16)]
@@ -55,8 +52,7 @@ def main() -> None:
     for marks in events:
         for k, phase in enumerate(PHASES):
             gpu[phase].append(marks[k].elapsed_time(marks[k + 1]))
-    print(f"write-backs: {'hybrid (CPU index)' if a.hybrid_writeback else 'zero-copy (CUDA index)'}; "
-          f"CPU threads {torch.get_num_threads()}")
+    print(f"CPU threads {torch.get_num_threads()}")
     print(f"shape: vocab {a.vocab:,} dim {a.dim} batch {a.batch:,} negatives {a.negatives}; "
           f"{a.measure} steps; wall {step_ms:.2f} ms/step ({1e3 / step_ms:.1f} steps/s)")
     for phase in PHASES:

@@ -202,17 +202,12 @@ def hybrid(table: Tensor, device: torch.device) -> bool:
     return not is_zero_copy_usable(table) and device.type == "cuda"
 
 
-# Experiment switch (bench/demo_profile.py): write-backs into pinned stores take the CPU index
-# (the hybrid path: DMA + CPU threads beside the zero-copy kernels) instead of the CUDA index.
-HYBRID_WRITEBACK = os.environ.get("SPEEDTORCH_OPS_HYBRID_WRITEBACK", "0") == "1"
-
-
-def index_for(table: Tensor, plan: Plan, device: torch.device, writeback: bool = False) -> Tensor:
+def index_for(table: Tensor, plan: Plan, device: torch.device) -> Tensor:
     """The index to pass with rows on `device`: on the table's GPU for a CUDA table, on the rows'
     GPU for a pinned table (zero-copy), else on the CPU (CPU op, or the hybrid path)."""
     if table.is_cuda:
         return plan.on(table.device)
-    if device.type == "cuda" and is_zero_copy_usable(table) and not (writeback and HYBRID_WRITEBACK):
+    if device.type == "cuda" and is_zero_copy_usable(table):
         return plan.on(device)
     return plan.cpu
 
@@ -236,7 +231,7 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
     rows = rows.detach()
     if owners:
         rows = rows[plan.owner.to(rows.device)]
-    index = index_for(table, plan, rows.device, writeback=True)
+    index = index_for(table, plan, rows.device)
     where = rows.device if rows.is_cuda and not table.is_cuda else index.device
     with ops.host_validated():
         ops.pinned_scatter(table, index, rows.to(where, table.dtype))
@@ -251,7 +246,7 @@ def swap(stores: list, batch: list, plan: Plan, device: torch.device, load: bool
     """One optimizer_state_swap for every state tensor: load rows plan.index into `batch`, or
     write `batch` back to them."""
     plan.check(stores[0].shape[0])
-    index = index_for(stores[0], plan, device, writeback=not load)
+    index = index_for(stores[0], plan, device)
     with ops.host_validated():
         ops.optimizer_state_swap(stores, batch, None if load else index, index if load else None)
 
