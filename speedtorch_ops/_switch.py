@@ -232,7 +232,7 @@ def scatter(table: Tensor, plan: Plan, rows: Tensor, owners: bool = True) -> Non
     if owners:
         rows = rows[plan.owner.to(rows.device)]
     index = index_for(table, plan, rows.device)
-    where = rows.device if rows.is_cuda and not table.is_cuda else index.device
+    where = rows.device if hybrid(table, rows.device) else index.device
     with ops.host_validated():
         ops.pinned_scatter(table, index, rows.to(where, table.dtype))
 
