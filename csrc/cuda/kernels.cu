@@ -33,7 +33,12 @@ Shape shape_for(int64_t items, int team_log2, Grid grid) {
   const int threads = grid.capped ? kCappedThreads : kThreads;
   const int64_t items_per_block = threads >> team_log2;
   const int64_t needed = (items + items_per_block - 1) / items_per_block;
-  const int64_t most = grid.capped ? grid.sms : int64_t{grid.sms} * 16;
+  // Up to 16 blocks per SM (two waves at 256 threads), but 8 (one wave) for fewer than 32 k
+  // rows x tables. Measured on the H100 (three 2 GiB pinned tables, 512 B rows, 2026-11-22):
+  // 8,192 rows 0.34 / 0.44 ms (load / write-back) with 8 per SM vs 0.56 / 0.60 with 16;
+  // 49,152 rows 2.42 / 2.36 vs 2.18 / 2.28; 131,072 rows 4.35 / 4.37 vs 4.31 / 4.24.
+  const int64_t per_sm = items < 32768 ? 8 : 16;
+  const int64_t most = grid.capped ? grid.sms : int64_t{grid.sms} * per_sm;
   return {static_cast<int>(std::max<int64_t>(1, std::min(needed, most))), threads};
 }
 
