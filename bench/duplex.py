@@ -1,8 +1,10 @@
 """Can a write-back and a load run at once, each in its own PCIe direction? At the demo's shape
 (three 2 GiB pinned tables of 512 B rows, 49,152 random rows each way), times with CUDA events
-(medians): the zero-copy load alone; the write-back by zero-copy alone; the write-back's rows
-copied down by DMA into pinned staging alone; the load together with that DMA (two streams);
-the CPU scatter of the staged rows into the tables (16 threads) alone and beside the load.
+(medians): the zero-copy load alone (one call for the three tables, and one call per table);
+the write-back by zero-copy alone; the write-back's rows copied down by DMA into pinned staging
+alone; the load together with that DMA (two streams); write-back then load; and by wall clock:
+the CPU scatter of the staged rows into the tables alone and beside the load, and the hybrid
+write-back (CPU ids) with shares 0, 0.5 and automatic.
 
     python3 bench/duplex.py [--rows-per-table 4000000] [--batch 49152]
 """
