@@ -1,7 +1,9 @@
-"""Shared by the benchmarks: CUDA-event timing (median after warm-up) and the CuPy view of a
-pinned table (the original SpeedTorch technique), when CuPy is installed."""
+"""Shared by the benchmarks: CUDA-event timing and wall-clock timing (medians after warm-up),
+and the CuPy view of a pinned table (the original SpeedTorch technique), when CuPy is
+installed."""
 
 import statistics
+import time
 
 import torch
 
@@ -19,6 +21,21 @@ def timed(fn, reps, warmup=3):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def wall(fn, reps, warmup=3):
+    """Median wall-clock milliseconds of fn() over `reps` runs after `warmup`, for work with a
+    host part (CPU kernels, calls that wait): the GPU is synchronized around each run when
+    there is one."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(warmup + reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[warmup:])
 
 
 def cupy_view(table):

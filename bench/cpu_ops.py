@@ -7,22 +7,12 @@ threads, for several row sizes (a machine without a GPU; PERF.md's CPU-only targ
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 import speedtorch_ops
-
-
-def timed(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from _timing import wall
 
 
 def main():
@@ -47,10 +37,10 @@ def main():
         src = torch.randn(a.batch, dim, generator=g)
         out = torch.empty(a.batch, dim)
         assert torch.equal(speedtorch_ops.pinned_gather(table, index), table[index])
-        ours_g = timed(lambda: speedtorch_ops.pinned_gather_into(table, index, out), a.reps)
-        ref_g = timed(lambda: torch.index_select(table, 0, index, out=out), a.reps)
-        ours_s = timed(lambda: speedtorch_ops.pinned_scatter(table, index, src), a.reps)
-        ref_s = timed(lambda: table.index_copy_(0, index, src), a.reps)
+        ours_g = wall(lambda: speedtorch_ops.pinned_gather_into(table, index, out), a.reps, warmup=1)
+        ref_g = wall(lambda: torch.index_select(table, 0, index, out=out), a.reps, warmup=1)
+        ours_s = wall(lambda: speedtorch_ops.pinned_scatter(table, index, src), a.reps, warmup=1)
+        ref_s = wall(lambda: table.index_copy_(0, index, src), a.reps, warmup=1)
         results.append(dict(row_bytes=dim * 4, table_rows=rows, gather_ms=ours_g,
                             index_select_ms=ref_g, scatter_ms=ours_s, index_copy_ms=ref_s))
         print(f"{dim * 4:>9} {ours_g:>10.3f} {ref_g:>12.3f} {ours_s:>11.3f} {ref_s:>11.3f} "

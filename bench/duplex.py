@@ -10,14 +10,12 @@ write-back (CPU ids) with shares 0, 0.5 and automatic.
 """
 
 import argparse
-import statistics
 import threading
-import time
 
 import torch
 
 import speedtorch_ops as so
-from _timing import timed
+from _timing import timed, wall
 
 
 def main() -> None:
@@ -60,16 +58,6 @@ def main() -> None:
     def cpu_scatter():
         so.optimizer_state_swap(tables, staging, wb_cpu, None)
 
-    def wall(fn, reps=a.reps):
-        times = []
-        for _ in range(reps + 3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times[3:])
-
     def load_beside_cpu_scatter():
         worker = threading.Thread(target=cpu_scatter)
         worker.start()
@@ -104,7 +92,7 @@ def main() -> None:
                      ("hybrid write-back, share 0 (DMA + CPU)", hybrid_writeback(0.0)),
                      ("hybrid write-back, share 0.5", hybrid_writeback(0.5)),
                      ("hybrid write-back, tuned", hybrid_writeback(-1.0))]:
-        ms = wall(fn)
+        ms = wall(fn, a.reps)
         print(f"  {name:42s} {ms:7.3f} ms")
 
 

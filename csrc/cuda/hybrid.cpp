@@ -188,6 +188,13 @@ at::Tensor host_rows(char* ptr, const at::Tensor& like, int64_t n) {
   return at::from_blob(ptr, sizes, at::TensorOptions(like.scalar_type()));
 }
 
+// Positions per CPU chunk: about kChunkBytes over all tables, at least 1024.
+int64_t chunk_rows(const std::vector<Pair>& pairs) {
+  int64_t total_rb = 0;
+  for (const auto& p : pairs) total_rb += p.row_bytes;
+  return std::max<int64_t>(1024, kChunkBytes / std::max<int64_t>(total_rb, 1));
+}
+
 // Start offsets of each table's block in a store-major staging area of n rows per table.
 std::vector<int64_t> block_offsets(const std::vector<Pair>& pairs, int64_t n) {
   std::vector<int64_t> at;
@@ -323,9 +330,7 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   sample.zc_end->record(cur);
   const auto dma = dma_stream(device.index());
   sample.start->block(dma);  // the batch rows are written after the work queued before the call
-  int64_t total_rb = 0;
-  for (const auto& p : pairs) total_rb += p.row_bytes;
-  const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
+  const int64_t chunk = chunk_rows(pairs);
   if (z < n) {
     Staging staging(pairs, n - z, device, dma, state.up, /*scratch=*/false);
     for (int64_t b = 0; b < n - z; b += chunk) {
@@ -432,7 +437,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<at
     const auto dma = dma_stream(device.index());
     uploaded.block(dma);
 
-    const int64_t chunk = std::max<int64_t>(1024, kChunkBytes / total_rb);
+    const int64_t chunk = chunk_rows(pairs);
     const auto cpu_pos = [&](const Split& sp) {
       return part(sp.at + 2 * sp.n_zc, sp.n_cpu).const_data_ptr<int64_t>();
     };

@@ -95,60 +95,62 @@ __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int6
   }
 }
 
-// Work item i is (table k, position j) = (i / n, i % n): one table at a time in index order, so
-// the reads of a host table stay within that table's span (on the H100, three 2 GiB tables
-// read side by side ran at 29 GB/s, one table per call at 31 GB/s: bench/duplex.py).
+// Calls item(k, j, lane, team) for every work item of a transfer kernel: item i is (table k,
+// position j) = (i / n, i % n), one team of `team` threads per item. One table at a time in
+// index order, so the reads of a host table stay within that table's span (on the H100, three
+// 2 GiB tables read side by side ran at 29 GB/s, one table per call at 31 GB/s:
+// bench/duplex.py). Nothing runs when the validation found a bad index (write nothing).
+template <typename Item>
+__device__ __forceinline__ void for_each_item(int count, int64_t n, int team_log2,
+                                              const int64_t* __restrict__ status,
+                                              const Item& item) {
+  if (status[0] != 0) return;
+  const int lane = threadIdx.x & ((1 << team_log2) - 1);
+  const int64_t teams_per_block = blockDim.x >> team_log2;
+  const int64_t stride = gridDim.x * teams_per_block;
+  const int64_t items = n * count;
+  for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
+       i += stride) {
+    const int k = count == 1 ? 0 : static_cast<int>(i / n);  // no division for one table
+    item(k, i - k * n, lane, 1 << team_log2);
+  }
+}
+
 template <typename V>
 __global__ void copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
                                  const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
                                  bool last_of_run, const int32_t* __restrict__ winner,
                                  const int64_t* __restrict__ status) {
-  if (status[0] != 0) return;  // a bad index: write nothing
-  const int lane = threadIdx.x & ((1 << team_log2) - 1);
-  const int64_t teams_per_block = blockDim.x >> team_log2;
-  const int64_t stride = gridDim.x * teams_per_block;
-  const int64_t items = n * t.count;
-  for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
-       i += stride) {
-    const int k = static_cast<int>(i / n);
-    const int64_t j = i - k * n;
-    if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) continue;
+  for_each_item(t.count, n, team_log2, status, [&](int k, int64_t j, int lane, int team) {
+    if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
     const int64_t d = dst_idx ? dst_idx[j] : j;
-    if (winner != nullptr && winner[d] != j) continue;  // a later position writes this row
+    if (winner != nullptr && winner[d] != j) return;  // a later position writes this row
     const int64_t s = src_idx ? src_idx[j] : j;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
     const V* from = reinterpret_cast<const V*>(t.src[k]) + s * row_vecs;
     V* to = reinterpret_cast<V*>(t.dst[k]) + d * row_vecs;
-    for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) to[c] = from[c];
-  }
+    for (int64_t c = lane; c < row_vecs; c += team) to[c] = from[c];
+  });
 }
 
 // Gather in sorted order, each distinct row read once: sorted[j] holds the rows in ascending
 // order and perm[j] the output slot of each. The first position of a run reads the row (over
-// PCIe for a mapped host table) and writes it to every slot of the run. Items as in copy_rows.
+// PCIe for a mapped host table) and writes it to every slot of the run.
 template <typename V>
 __global__ void gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
                                      const int64_t* __restrict__ perm, int64_t n, int team_log2,
                                      const int64_t* __restrict__ status) {
-  if (status[0] != 0) return;
-  const int lane = threadIdx.x & ((1 << team_log2) - 1);
-  const int64_t teams_per_block = blockDim.x >> team_log2;
-  const int64_t stride = gridDim.x * teams_per_block;
-  const int64_t items = n * t.count;
-  for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
-       i += stride) {
-    const int k = static_cast<int>(i / n);
-    const int64_t j = i - k * n;
+  for_each_item(t.count, n, team_log2, status, [&](int k, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);
-    if (end < 0) continue;
+    if (end < 0) return;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
     const V* from = reinterpret_cast<const V*>(t.src[k]) + sorted[j] * row_vecs;
     V* to = reinterpret_cast<V*>(t.dst[k]);
-    for (int64_t c = lane; c < row_vecs; c += (1 << team_log2)) {
+    for (int64_t c = lane; c < row_vecs; c += team) {
       const V value = from[c];
       for (int64_t r = j; r < end; ++r) to[perm[r] * row_vecs + c] = value;
     }
-  }
+  });
 }
 
 // winner[row] = the last position j with idx[j] == row (atomicMax), for a scatter in which the
@@ -184,20 +186,16 @@ __global__ void accumulate_rows_kernel(T* __restrict__ table, const int64_t* __r
                                        const int64_t* __restrict__ perm, int64_t n,
                                        int64_t row_elems, int team_log2,
                                        const int64_t* __restrict__ status) {
-  if (status[0] != 0) return;
-  const int lane = threadIdx.x & ((1 << team_log2) - 1);
-  const int64_t teams_per_block = blockDim.x >> team_log2;
-  const int64_t stride = gridDim.x * teams_per_block;
-  for (int64_t j = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); j < n; j += stride) {
+  for_each_item(1, n, team_log2, status, [&](int, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);  // only the first of a run works
-    if (end < 0) continue;
+    if (end < 0) return;
     T* to = table + sorted[j] * row_elems;
-    for (int64_t c = lane; c < row_elems; c += (1 << team_log2)) {
+    for (int64_t c = lane; c < row_elems; c += team) {
       T acc = to[c];
       for (int64_t r = j; r < end; ++r) acc = add(acc, src[perm[r] * row_elems + c]);
       to[c] = acc;
     }
-  }
+  });
 }
 
 int blocks_for_elements(int64_t n) {
