@@ -14,7 +14,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from speedtorch_ops import demo
 
-PHASES = ("load", "compute", "write_back")
 
 
 def main() -> None:
@@ -24,14 +23,20 @@ def main() -> None:
     p.add_argument("--no-profiler", action="store_true")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
+    if a.transfer_sms:
+        torch.ops.speedtorch_ops._set_transfer_sm_limit(a.transfer_sms)
     corpus = demo.Corpus(a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(16)]
     run = demo.SwitcherTraining(a, device)
-    calls = {"load": lambda b: run.load(*b), "compute": lambda b: run.compute(),
-             "write_back": lambda b: run.write_back(*b)}
+    # Each call gets the step number; a prefetch queues the next step's rows.
+    calls = {"load": lambda i: run.load(*batches[i % len(batches)]),
+             "prefetch": lambda i: run.prefetch(*batches[(i + 1) % len(batches)]),
+             "compute": lambda i: run.compute(),
+             "write_back": lambda i: run.write_back(*batches[i % len(batches)])}
+    PHASES = [k for k in calls if k != "prefetch" or run.prefetching]
     for i in range(a.warmup):
         for phase in PHASES:
-            calls[phase](batches[i % len(batches)])
+            calls[phase](i)
     torch.cuda.synchronize()
 
     gpu = {k: [] for k in PHASES}
@@ -43,16 +48,17 @@ def main() -> None:
         marks[0].record()
         for k, phase in enumerate(PHASES):
             t = time.perf_counter()
-            calls[phase](batches[i % len(batches)])
+            calls[phase](i)
             host[phase].append((time.perf_counter() - t) * 1e3)
             marks[k + 1].record()
         events.append(marks)
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) * 1e3 / a.measure
     for marks in events:
-        for k, phase in enumerate(PHASES):
+        for k, phase in enumerate(PHASES):  # the current stream's time (prefetches run beside)
             gpu[phase].append(marks[k].elapsed_time(marks[k + 1]))
-    print(f"CPU threads {torch.get_num_threads()}")
+    print(f"CPU threads {torch.get_num_threads()}; switching {a.switching}; transfer SMs "
+          f"{a.transfer_sms or 'all'}")
     print(f"shape: vocab {a.vocab:,} dim {a.dim} batch {a.batch:,} negatives {a.negatives}; "
           f"{a.measure} steps; wall {step_ms:.2f} ms/step ({1e3 / step_ms:.1f} steps/s)")
     for phase in PHASES:
@@ -65,7 +71,7 @@ def main() -> None:
         for i in range(10):
             for phase in PHASES:
                 with torch.profiler.record_function(phase):
-                    calls[phase](batches[i % len(batches)])
+                    calls[phase](i)
         torch.cuda.synchronize()
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))

@@ -23,6 +23,7 @@ from .factories import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
                         GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
                         ModelFactoryMM, OptimizerFactory, OptimizerFactoryMM, PytorchCOM,
                         PytorchModelFactory, PytorchOptimizerFactory)
+from ._rows import colocate
 
 __all__ = [
     "pinned_gather",
@@ -36,6 +37,7 @@ __all__ = [
     "pin_",
     "load_npy",
     "is_zero_copy_usable",
+    "colocate",
     "ModelFactory", "OptimizerFactory", "COM", "DataGadget",
     "ModelFactoryMM", "OptimizerFactoryMM", "COMMM", "DataGadgetMM",
     "GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "GPUPytorchCOM",

@@ -110,6 +110,7 @@ class Plan:
         self.device = device
         self.index = self._upload(device) if device.type != "cpu" else self.cpu
         self._owner: Optional[Tensor] = None
+        self._sorted: Optional[tuple] = None
         self._range = None
 
     def check(self, rows: int) -> None:
@@ -136,10 +137,17 @@ class Plan:
         return self.cpu if device.type == "cpu" else self._upload(device)
 
     @property
+    def sorted(self) -> tuple:
+        """(the ids sorted, stably; the slot of each): a row's first slot comes first."""
+        if self._sorted is None:
+            self._sorted = torch.sort(self.index, stable=True)
+        return self._sorted
+
+    @property
     def owner(self) -> Tensor:
         if self._owner is None:
             idx = self.index
-            sorted_ids, perm = torch.sort(idx, stable=True)
+            sorted_ids, perm = self.sorted
             n = idx.numel()
             positions = torch.arange(n, device=idx.device)
             starts = torch.ones(n, dtype=torch.bool, device=idx.device)

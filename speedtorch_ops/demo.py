@@ -65,17 +65,28 @@ class Corpus:
 
 
 class SkipGram(nn.Module):
-    """Batch-sized embeddings: called with slot numbers (variableTransformer), not word ids."""
+    """Batch-sized embeddings: called with slot numbers (variableTransformer), not word ids.
+
+    The lookups use ``index_select`` on the embeddings' weights: its backward adds into the
+    gradient without reading anything back to the host, while nn.Embedding's dense CUDA backward
+    waits for the GPU once per call (a count read back), which would stop the host from queueing
+    the next step's transfers ahead. Same values, same gradients."""
 
     def __init__(self, u_rows: int, v_rows: int, dim: int, sparse: bool = False):
         super().__init__()
         self.u_embeddings = nn.Embedding(u_rows, dim, sparse=sparse)
         self.v_embeddings = nn.Embedding(v_rows, dim, sparse=sparse)
 
+    @staticmethod
+    def _lookup(embedding: nn.Embedding, slots: Tensor) -> Tensor:
+        if embedding.sparse:
+            return embedding(slots)
+        return embedding.weight.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
+
     def forward(self, centre, context, negatives):
-        u = self.u_embeddings(centre)                              # (B, 1, D)
-        pos = (u * self.v_embeddings(context)).sum(-1)             # (B, 1)
-        neg = (u * self.v_embeddings(negatives)).sum(-1)           # (B, N)
+        u = self._lookup(self.u_embeddings, centre)                          # (B, 1, D)
+        pos = (u * self._lookup(self.v_embeddings, context)).sum(-1)         # (B, 1)
+        neg = (u * self._lookup(self.v_embeddings, negatives)).sum(-1)       # (B, N)
         return -(nn.functional.logsigmoid(pos).mean() + nn.functional.logsigmoid(-neg).sum(1).mean())
 
 
@@ -112,7 +123,11 @@ def batch_source(a, corpus):
 
 class SwitcherTraining:
     """The tables in pinned host memory (ordinary memory without a GPU), the optimizer state
-    too; a step loads the batch's rows, trains the batch-sized model, and writes the rows back."""
+    too; a step loads the batch's rows, trains the batch-sized model, and writes the rows back.
+
+    By default each table's weight and optimizer state share one host table
+    (``speedtorch_ops.colocate``: one transfer per table each way) and the next batch's rows are
+    prefetched while the current batch trains (``--switching``)."""
 
     def __init__(self, a, device):
         B, N = a.batch, a.negatives
@@ -129,6 +144,13 @@ class SwitcherTraining:
                                          "v_embeddings", CPUPinn=True)
         self.u_opt.optInit()
         self.v_opt.optInit()
+        switching = a.switching
+        if switching == "auto":
+            switching = "prefetch" if torch.device(device).type == "cuda" else "plain"
+        self.prefetching = switching == "prefetch"
+        if switching != "plain":
+            so.colocate(self.u_sw, self.u_opt)
+            so.colocate(self.v_sw, self.v_opt)
         self.centre = torch.as_tensor(self.u_sw.variableTransformer(B, 1), device=device)
         self.context, self.negatives = (torch.as_tensor(x, device=device)
                                         for x in self.v_sw.variableTransformer(B, 1, N))
@@ -143,6 +165,12 @@ class SwitcherTraining:
 
     def load(self, labels, ctx, negs) -> None:
         self._each_factory("beforeForwardPass", labels, ctx, negs)
+
+    def prefetch(self, labels, ctx, negs) -> None:
+        """Start moving the next batch's rows while this one trains (colocated factories)."""
+        with torch.no_grad():
+            self.u_sw.prefetch(labels)
+            self.v_sw.prefetch(ctx, negs)
 
     def compute(self) -> Tensor:
         self.optimizer.zero_grad(set_to_none=True)
@@ -164,11 +192,15 @@ def train_switchers(a, corpus, device):
     losses = []
     next_batch = batch_source(a, corpus)
     start = time.perf_counter()
+    batch = next_batch(0)
     for step in progress(range(a.steps), a.steps):
-        batch = next_batch(step)
         run.load(*batch)
+        following = next_batch(step + 1) if step + 1 < a.steps else None
+        if following is not None and run.prefetching:
+            run.prefetch(*following)
         loss = run.compute()
         run.write_back(*batch)
+        batch = following
         if step % max(1, a.steps // 20) == 0 or step == a.steps - 1:
             losses.append(float(loss))
     if device.type == "cuda":
@@ -213,6 +245,16 @@ def parser() -> argparse.ArgumentParser:
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
     p.add_argument("--baseline", action="store_true",
                    help="also time plain PyTorch with the whole tables on the GPU")
+    p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
+                   default="auto",
+                   help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "
+                        "colocated: weight and state rows side by side in one host table "
+                        "(speedtorch_ops.colocate); prefetch: colocated, and the next batch's "
+                        "rows load while the current one trains; auto: prefetch on a GPU, "
+                        "plain on the CPU (nothing overlaps there)")
+    p.add_argument("--transfer-sms", type=int, default=0,
+                   help="SMs the transfer kernels may use (0: all), so that prefetches leave "
+                        "room for the training kernels")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     return p
@@ -224,6 +266,8 @@ def main(argv=None) -> None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
+    if a.transfer_sms and device.type == "cuda":
+        so.set_transfer_sm_limit(a.transfer_sms)
 
     corpus = Corpus(a.vocab, a.cluster_size, a.tokens)
     table_mb = a.vocab * a.dim * 4 / 2**20

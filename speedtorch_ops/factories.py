@@ -31,6 +31,25 @@ class _TableMethods:
     """Save, load, inspect and checkpoint the table(s) held in attribute ``_attr``."""
 
     _attr = "CUPYcorpus"
+    _rows = None  # the SharedRows of colocated factories (speedtorch_ops.colocate)
+
+    def _settle(self, writing: bool = False) -> None:
+        """Colocated factories move rows on a transfer stream: wait for it before the host
+        reads or writes the tables."""
+        if self._rows is not None:
+            self._rows.settle(writing)
+
+    def prefetch(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
+        """(Not in SpeedTorch 0.1.6.) Start loading the rows of the next batch on a transfer
+        stream while the current batch trains; a later beforeForwardPass with the same ids takes
+        them. Call it right after beforeForwardPass. Colocated factories only
+        (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
+        updated rows on the device, so training is the same as without prefetch."""
+        if self._rows is None:
+            raise RuntimeError(f"{type(self).__name__}.prefetch needs colocated factories: call "
+                               "speedtorch_ops.colocate(model_factory, optimizer_factory) first")
+        self._rows.prefetch(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes,
+                                        self._rows.device))
 
     def _tables(self) -> list:
         value = getattr(self, self._attr, None)
@@ -43,6 +62,7 @@ class _TableMethods:
         return isinstance(getattr(self, self._attr, None), list)
 
     def _stacked(self) -> np.ndarray:
+        self._settle()
         tables = [t.detach().cpu().numpy() for t in self._tables()]
         return np.stack(tables) if self._is_list() else tables[0]
 
@@ -59,6 +79,7 @@ class _TableMethods:
         self._load_into(torch.from_numpy(np.load(loadFileName, mmap_mode="c")), loadFileName)
 
     def saveTorch(self, saveFileName: str) -> None:
+        self._settle()
         value = getattr(self, self._attr)
         torch.save(value if not isinstance(value, list) else list(value), saveFileName)
 
@@ -67,6 +88,7 @@ class _TableMethods:
         self._load_into(torch.stack(loaded) if isinstance(loaded, list) else loaded, loadFileName)
 
     def _load_into(self, loaded: Tensor, name: str) -> None:
+        self._settle(writing=True)
         tables = self._tables()
         shape = (len(tables), *tables[0].shape) if self._is_list() else tuple(tables[0].shape)
         sw.check_loaded(name, loaded, shape, tables[0].dtype)
@@ -81,9 +103,11 @@ class _TableMethods:
 
     def state_dict(self) -> dict:
         """The store(s), for checkpoints (``torch.save`` keeps pinned tensors as ordinary ones)."""
+        self._settle()
         return {"tables": list(self._tables())}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._settle(writing=True)
         tables = self._tables()
         loaded = state_dict["tables"]
         if len(loaded) != len(tables):
@@ -92,6 +116,12 @@ class _TableMethods:
             sw.check_loaded(f"tables[{i}]", value, table.shape, table.dtype)
         for table, value in zip(tables, loaded):
             table.copy_(value)
+
+
+def _refuse_if_colocated(factory, what: str) -> None:
+    if factory._rows is not None:
+        raise RuntimeError(f"{type(factory).__name__}: cannot {what} after colocate(); "
+                           "initialize the tables first, then colocate")
 
 
 class _ModelSwitcher(_TableMethods):
@@ -109,6 +139,7 @@ class _ModelSwitcher(_TableMethods):
         self._hooked = None
 
     def _new_table(self) -> Tensor:
+        _refuse_if_colocated(self, "re-initialize the table")
         return sw.allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
 
     def zerosInit(self) -> None:
@@ -134,10 +165,13 @@ class _ModelSwitcher(_TableMethods):
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Load the batch's rows (positives, then negatives) into the module's weight."""
-        (table,) = self._tables()
         weight = self._weight()
         self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, weight.device)
-        weight.data = sw.gather(table, self._plan, weight.device, table.dtype)
+        if self._rows is not None:  # the weight and the optimizer state in one transfer
+            self._rows.load(self._plan)
+        else:
+            (table,) = self._tables()
+            weight.data = sw.gather(table, self._plan, weight.device, table.dtype)
         if self._hooked is not weight:  # sums duplicate slots' gradients into their owner
             weight.register_hook(self._combine_duplicates)
             self._hooked = weight
@@ -147,8 +181,11 @@ class _ModelSwitcher(_TableMethods):
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Write the batch's rows back into the table (each row once: its owner slot's value)."""
-        (table,) = self._tables()
         plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, self._weight().device)
+        if self._rows is not None:
+            self._rows.write_back(plan)
+            return
+        (table,) = self._tables()
         sw.scatter(table, plan, self._weight().data)
 
 
@@ -181,6 +218,7 @@ class _OptimizerSwitcher(_TableMethods):
                 for k in self.optVarList]
 
     def optInit(self) -> None:
+        _refuse_if_colocated(self, "re-initialize the state tables")
         setattr(self, self._attr, self._new_tables())
 
     def _swappable(self, device: torch.device) -> bool:
@@ -194,6 +232,9 @@ class _OptimizerSwitcher(_TableMethods):
         state = self.given_optimizer.state[self._param]
         device = self._param.device
         self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
+        if self._rows is not None:  # the weight and the optimizer state in one transfer
+            self._rows.load(self._plan)
+            return
         shape = (self._plan.cpu.numel(), self.embed_dimension)
         batch = []
         for key in self.optVarList:
@@ -211,12 +252,15 @@ class _OptimizerSwitcher(_TableMethods):
                 b.copy_(sw.gather(store, self._plan, device, b.dtype))
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
+        device = self._param.device
+        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
+        if self._rows is not None:
+            self._rows.write_back(plan)
+            return
         if not self.optVarList:
             return
         stores = self._tables()
         state = self.given_optimizer.state[self._param]
-        device = self._param.device
-        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]

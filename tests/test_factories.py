@@ -82,7 +82,9 @@ def factories(store, model, opt, dtype):
     return mk(model.u_embeddings), mk(model.v_embeddings), ok("u_embeddings"), ok("v_embeddings")
 
 
-def train_switchers(device, store, opt_name, data, init_u, init_v):
+def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain"):
+    """mode: "plain" (0.1.6's calls), "colocated" (so.colocate on each pair), "prefetch"
+    (colocated, and each step prefetches the next batch right after beforeForwardPass)."""
     dtype = torch.float64
     model = SlotModel(B, B * (P + N), sparse=opt_name == "SparseAdam").to(device, dtype)
     opt = make_optimizer(opt_name, model.parameters())
@@ -91,14 +93,21 @@ def train_switchers(device, store, opt_name, data, init_u, init_v):
     v_sw.customInit(lambda t: t.copy_(init_v))
     u_opt.optInit()
     v_opt.optInit()
+    if mode != "plain":
+        so.colocate(u_sw, u_opt)
+        so.colocate(v_sw, v_opt)
     u_slots = torch.as_tensor(u_sw.variableTransformer(B, 1), device=device)
     v_pos, v_neg = (torch.as_tensor(s, device=device) for s in v_sw.variableTransformer(B, P, N))
-    for labels, ctx, negs in data:
+    for step, (labels, ctx, negs) in enumerate(data):
         with torch.no_grad():
             u_sw.beforeForwardPass(labels)
             v_sw.beforeForwardPass(ctx, negs)
             u_opt.beforeForwardPass(labels)
             v_opt.beforeForwardPass(ctx, negs)
+            if mode == "prefetch" and step + 1 < len(data):
+                next_labels, next_ctx, next_negs = data[step + 1]
+                u_sw.prefetch(next_labels)
+                v_opt.prefetch(next_ctx, next_negs)  # either factory of a pair may call it
         opt.zero_grad()
         model(u_slots, v_pos, v_neg).backward()
         opt.step()
@@ -152,6 +161,18 @@ def lazy_reference(opt_name, data, init_u, init_v, opt_keys, device):
     return tables, states
 
 
+def assert_matches_lazy_reference(opt_name, data, init_u, init_v, switchers, device, msg):
+    """The switchers' tables and state tables equal lazy_reference's (float64, 1e-10)."""
+    u_sw, v_sw, u_opt, v_opt = switchers
+    tables, states = lazy_reference(opt_name, data, init_u, init_v, u_opt.optVarList, device)
+    for sw, opt_sw, name in ((u_sw, u_opt, "u"), (v_sw, v_opt, "v")):
+        got = torch.from_numpy(sw.getNumpyVersion())
+        assert torch.allclose(got, tables[name], rtol=1e-10, atol=1e-10), msg
+        stacked = torch.from_numpy(opt_sw.getNumpyVersion())
+        for k, key in enumerate(opt_sw.optVarList):
+            assert torch.allclose(stacked[k], states[name][key], rtol=1e-10, atol=1e-10), (msg, key)
+
+
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
 def test_sgd_equals_full_table_training(device, store, duplicates, gen):
@@ -183,13 +204,122 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
     data = batches(4, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
     init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
-    u_sw, v_sw, u_opt, v_opt = train_switchers(device, store, opt_name, data, init_u, init_v)
-    tables, states = lazy_reference(opt_name, data, init_u, init_v, u_opt.optVarList, device)
-    msg = f"{opt_name} seed {gen.initial_seed()}"
-    for sw, opt_sw, name in ((u_sw, u_opt, "u"), (v_sw, v_opt, "v")):
-        got = torch.from_numpy(sw.getNumpyVersion())
-        assert torch.allclose(got, tables[name], rtol=1e-10, atol=1e-10), msg
-        stacked = torch.from_numpy(opt_sw.getNumpyVersion())
-        for k, key in enumerate(opt_sw.optVarList):
-            assert torch.allclose(stacked[k], states[name][key], rtol=1e-10, atol=1e-10), (msg, key)
+    switchers = train_switchers(device, store, opt_name, data, init_u, init_v)
+    assert_matches_lazy_reference(opt_name, data, init_u, init_v, switchers, device,
+                                  f"{opt_name} seed {gen.initial_seed()}")
 
+
+
+# ---- colocated factories and prefetch (speedtorch_ops.colocate) ----------------------------
+
+
+@pytest.mark.parametrize("device,store", CONFIGS)
+@pytest.mark.parametrize("duplicates", [False, True])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch"])
+def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mode, gen):
+    data = batches(5, duplicates, gen)
+    init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    plain = train_switchers(device, store, "SGD", data, init_u, init_v)
+    got = train_switchers(device, store, "SGD", data, init_u, init_v, mode)
+    for a, b in zip(plain[:2], got[:2]):
+        # Bit for bit on the CPU; on CUDA the duplicate-gradient hook (index_add_, atomics) may
+        # round differently from run to run when a batch repeats a row.
+        tol = 0 if device == "cpu" else 1e-12
+        assert np.allclose(a.getNumpyVersion(), b.getNumpyVersion(), rtol=tol, atol=tol), (
+            f"seed {gen.initial_seed()}")
+
+
+@pytest.mark.parametrize("device,store", CONFIGS)
+@pytest.mark.parametrize("duplicates", [False, True])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch"])
+@pytest.mark.parametrize("opt_name", ["Adam", "AdamW", "Adagrad", "RMSprop", "Rprop",
+                                      "SparseAdam"])
+def test_colocated_optimizers_equal_lazy_reference(device, store, duplicates, mode, opt_name,
+                                                   gen):
+    """Colocated rows, with and without prefetch: the same result as the lazy reference (the
+    duplicate batches repeat rows from step to step, so prefetched rows are patched)."""
+    data = batches(5, duplicates, gen)
+    init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    switchers = train_switchers(device, store, opt_name, data, init_u, init_v, mode)
+    assert_matches_lazy_reference(opt_name, data, init_u, init_v, switchers, device,
+                                  f"{opt_name} {mode} seed {gen.initial_seed()}")
+
+
+def test_colocated_tables_are_views_of_one_table(gen):
+    model = SlotModel(B, B).double()
+    opt = torch.optim.Adam(model.parameters())
+    mf = so.ModelFactory(model.u_embeddings, V, D, datatype="float64", CPUPinn=True)
+    of = so.OptimizerFactory(opt, V, D, model, "u_embeddings", "float64", True)
+    init = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.customInit(lambda t: t.copy_(init))
+    of.optInit()
+    rows = so.colocate(mf, of)
+    assert rows.host.shape == (V, 3, D)
+    assert mf.CUPYcorpus.data_ptr() == rows.host.data_ptr()
+    assert [t.data_ptr() for t in of.CUPYcorpi] == [rows.host[:, k].data_ptr() for k in (1, 2)]
+    assert np.array_equal(mf.getNumpyVersion(), init.numpy())  # contents carried over
+    assert np.array_equal(of.getNumpyVersion(), np.zeros((2, V, D)))
+
+
+def test_colocate_refuses_bad_pairs(tmp_path, monkeypatch, gen):
+    monkeypatch.chdir(tmp_path)
+    model = SlotModel(B, B).double()
+    opt = torch.optim.Adam(model.parameters())
+    mf = so.ModelFactory(model.u_embeddings, V, D, datatype="float64", CPUPinn=True)
+    mf.zerosInit()
+    other = so.OptimizerFactory(opt, V, D, model, "v_embeddings", "float64", True)
+    other.optInit()
+    with pytest.raises(ValueError, match="not this model factory's weight"):
+        so.colocate(mf, other)
+    fused = torch.optim.Adam(model.parameters(), fused=True)
+    fused_factory = so.OptimizerFactory(fused, V, D, model, "u_embeddings", "float64", True)
+    fused_factory.optInit()
+    with pytest.raises(ValueError, match="fused optimizers"):
+        so.colocate(mf, fused_factory)
+    f32 = so.ModelFactory(model.v_embeddings, V, D, datatype="float32", CPUPinn=True)
+    f32.zerosInit()
+    with pytest.raises(ValueError, match="must match"):
+        so.colocate(f32)
+    mm = so.ModelFactoryMM(model.v_embeddings, V, D, datatype="float64")
+    mm.zerosInit()
+    with pytest.raises(ValueError, match="only pinned, CPU and CUDA"):
+        so.colocate(mm)
+    with pytest.raises(RuntimeError, match="needs colocated factories"):
+        mf.prefetch(np.arange(3))
+    so.colocate(mf)
+    with pytest.raises(ValueError, match="already colocated"):
+        so.colocate(mf)
+    with pytest.raises(RuntimeError, match="cannot re-initialize"):
+        mf.zerosInit()
+    mf.beforeForwardPass(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="not the batch loaded"):
+        mf.afterOptimizerStep(np.array([1, 2, 4]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        mf.prefetch(np.array([0, V]))
+
+
+def test_colocated_checkpoint_waits_and_drops_prefetch(gen):
+    """state_dict() after a prefetch sees the written-back rows; load_state_dict() makes the
+    next batch load fresh rows, not the prefetched (now stale) ones."""
+    model = SlotModel(B, B).double()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    mf = so.ModelFactory(model.u_embeddings, V, D, datatype="float64", CPUPinn=True)
+    init = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.customInit(lambda t: t.copy_(init))
+    so.colocate(mf)
+    ids = np.array([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        mf.beforeForwardPass(ids)
+        mf.prefetch(ids)
+        model.u_embeddings.weight.add_(1.0)
+        mf.afterOptimizerStep(ids)
+    expect = init.clone()
+    expect[torch.as_tensor(ids)] += 1.0
+    saved = mf.state_dict()
+    assert torch.equal(saved["tables"][0], expect)
+    replacement = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.load_state_dict({"tables": [replacement]})
+    mf.beforeForwardPass(ids)
+    assert torch.equal(model.u_embeddings.weight.detach().cpu(), replacement[torch.as_tensor(ids)])

@@ -1,0 +1,243 @@
+"""Colocated rows and prefetch (an extension of SpeedTorch's factories, opt-in with
+``speedtorch_ops.colocate``).
+
+A model factory and its optimizer factory normally keep one host table each: a batch row's weight
+and its optimizer state sit in separate multi-GiB tables, and each step moves them in separate
+transfers. Colocated, they share one host table of shape (rows, 1 + states, dim): a row's weight
+and its state are adjacent (1.5 KiB for Adam at dim 128), so one transfer moves them together;
+the factories' tables become views of it (``CUPYcorpus`` is ``table[:, 0]``, the optimizer's
+tables ``table[:, 1 + k]``). Zero-copy reads of random rows over multi-GiB host tables are limited
+by a row rate rather than by bytes (PERF.md), so fewer, larger rows move faster: on the H100,
+49,152 rows of weight + Adam state from 2 GiB tables took 2.11 ms as three 512 B tables and 1.71
+ms as one 1536 B table (bench/probes/layout.py, 2026-11-22).
+
+Colocated factories can also ``prefetch`` the next batch: its rows load on a transfer stream
+while the current batch trains, and the write-back runs on that stream too, while the next batch
+trains. Rows the two batches share are stale in the prefetched copy (loaded before the current
+batch was written back); when the next batch is taken in, they are copied from the current
+batch's updated rows on the device. The device holds at most three batches' rows.
+
+Ordering (CUDA): the transfer stream waits for the work queued on the current stream before each
+transfer (so call ``prefetch`` right after ``beforeForwardPass``, before the step's compute is
+queued, for the load to overlap it), and the current stream waits for a prefetched batch's load
+before using it. A write-back is ordered before later loads, but not before later work on the
+current stream: read the host tables only through the factories' methods (they wait) or after
+``torch.cuda.synchronize()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _switch as sw
+from . import ops
+
+
+class _Batch:
+    """One batch's rows on the device: weight and state of each slot, side by side."""
+
+    def __init__(self, plan: sw.Plan, buf: Tensor, stale_from: Optional["_Batch"] = None):
+        self.plan = plan
+        self.buf = buf
+        self.stale_from = stale_from  # the batch not yet written back when this one was loaded
+        self.ready: Optional[torch.cuda.Event] = None
+        self.written = False
+
+
+class SharedRows:
+    """The shared host table of a model factory and (optionally) its optimizer factory, and the
+    batches of rows on the device."""
+
+    def __init__(self, model_factory, optimizer_factory=None):
+        from .factories import _ModelSwitcher, _OptimizerSwitcher
+
+        if not isinstance(model_factory, _ModelSwitcher):
+            raise TypeError("colocate: model_factory must be a model factory (e.g. ModelFactory)")
+        if optimizer_factory is not None and not isinstance(optimizer_factory, _OptimizerSwitcher):
+            raise TypeError("colocate: optimizer_factory must be an optimizer factory "
+                            "(e.g. OptimizerFactory) or None")
+        mf, of = model_factory, optimizer_factory
+        for f in (mf, of):
+            if f is None:
+                continue
+            if getattr(f, "_rows", None) is not None:
+                raise ValueError(f"colocate: this {type(f).__name__} is already colocated")
+            if f._placement not in ("pinned", "cpu", "cuda"):
+                raise ValueError(f"colocate: {type(f).__name__} keeps its table in "
+                                 f"{f._placement!r} storage; only pinned, CPU and CUDA stores "
+                                 "can share one table")
+        (weight_table,) = mf._tables()
+        weight = mf._weight()
+        if weight.dtype != weight_table.dtype:
+            raise ValueError(f"colocate: the model's weight is {weight.dtype} but the table is "
+                             f"{weight_table.dtype}; they must match (the batch's rows become "
+                             "the weight without a copy)")
+        states: list = []
+        if of is not None:
+            if of._param is not weight:
+                raise ValueError("colocate: the optimizer factory's variable is not this model "
+                                 "factory's weight")
+            group, _ = sw.find_group(of.given_optimizer, weight)
+            if group.get("fused") and of.optVarList:
+                raise ValueError("colocate: fused optimizers (fused=True) need contiguous state "
+                                 "tensors, and colocated state is a strided view of the batch's "
+                                 "rows; use the default (foreach) implementation")
+            if of._placement != mf._placement:
+                raise ValueError(f"colocate: the stores must be in the same place, got "
+                                 f"{mf._placement!r} and {of._placement!r}")
+            states = of._tables() if of.optVarList else []
+            for key, t in zip(of.optVarList, states):
+                if t.shape != weight_table.shape or t.dtype != weight_table.dtype:
+                    raise ValueError(f"colocate: state table {key!r} is {tuple(t.shape)} "
+                                     f"{t.dtype}, the weight table {tuple(weight_table.shape)} "
+                                     f"{weight_table.dtype}; they must match")
+        rows, dim = weight_table.shape
+        self.width = 1 + len(states)
+        self.dim = dim
+        self.host = sw.allocate((rows, self.width, dim), weight_table.dtype, mf._placement)
+        for k, table in enumerate([weight_table, *states]):
+            self.host[:, k].copy_(table)
+        self.flat = self.host.view(rows, self.width * dim)  # what the ops move: whole rows
+        setattr(mf, mf._attr, self.host[:, 0])
+        if of is not None and of.optVarList:
+            setattr(of, of._attr, [self.host[:, 1 + k] for k in range(len(states))])
+        self.model_factory, self.optimizer_factory = mf, of
+        self.device = weight.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.current: Optional[_Batch] = None
+        self.pending: Optional[_Batch] = None  # prefetched, not yet taken in
+        self._pool: list = []
+        mf._rows = self
+        if of is not None:
+            of._rows = self
+
+    # ---- buffers ------------------------------------------------------------------------
+
+    def _buffer(self, n: int) -> Tensor:
+        """A device buffer of n rows that no live batch uses (reused across steps)."""
+        busy = {id(b.buf) for b in (self.current, self.pending,
+                                    self.pending.stale_from if self.pending else None) if b}
+        for buf in self._pool:
+            if buf.shape[0] == n and id(buf) not in busy:
+                return buf
+        buf = torch.empty((n, self.width * self.dim), dtype=self.host.dtype, device=self.device)
+        self._pool.append(buf)
+        # Batches of varying sizes: keep the busy buffers and a few others.
+        while len(self._pool) > 6:
+            victim = next((b for b in self._pool if id(b) not in busy), None)
+            if victim is None:
+                break
+            self._pool.remove(victim)
+        return buf
+
+    def _gather(self, batch: _Batch) -> None:
+        index = sw.index_for(self.flat, batch.plan, self.device)
+        with ops.host_validated():
+            ops.pinned_gather_into(self.flat, index, batch.buf)
+
+    # ---- the factories' calls -------------------------------------------------------------
+
+    def prefetch(self, plan: sw.Plan) -> None:
+        """Start loading the rows of `plan` for a later beforeForwardPass with the same ids."""
+        if self.pending is not None and self.pending.plan is plan:
+            return
+        plan.check(self.flat.shape[0])
+        self.pending = None
+        current = self.current
+        stale = current if current is not None and not current.written else None
+        batch = _Batch(plan, self._buffer(plan.cpu.numel()), stale_from=stale)
+        if self.stream is None:
+            self._gather(batch)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                self._gather(batch)
+                batch.buf.record_stream(self.stream)
+                batch.ready = self.stream.record_event()
+        self.pending = batch
+
+    def load(self, plan: sw.Plan) -> None:
+        """Make the rows of `plan` the batch: the prefetched copy (patched) or a fresh load.
+        The pair's second call for the same batch does nothing."""
+        if self.current is not None and self.current.plan is plan and not self.current.written:
+            return
+        plan.check(self.flat.shape[0])
+        batch, self.pending = self.pending, None
+        if batch is not None and batch.plan is plan:
+            if batch.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(batch.ready)
+            if batch.stale_from is not None and batch.stale_from.written:
+                self._patch(batch, batch.stale_from)
+        else:
+            batch = _Batch(plan, self._buffer(plan.cpu.numel()))
+            if self.stream is not None:  # write-backs queued on the transfer stream land first
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._gather(batch)
+        batch.stale_from = None
+        self.current = batch
+        self._install(batch)
+
+    def write_back(self, plan: sw.Plan) -> None:
+        """Write the batch's rows (weight and state; each row's owner slot) into the table.
+        The pair's second call does nothing."""
+        batch = self.current
+        if batch is None or batch.plan is not plan:
+            raise ValueError("afterOptimizerStep: these ids are not the batch loaded by the last "
+                             "beforeForwardPass of these colocated factories")
+        if batch.written:
+            return
+        owner = plan.owner  # on the current stream, before the transfer stream waits for it
+        index = sw.index_for(self.flat, plan, self.device)
+        if self.stream is None:
+            with ops.host_validated():
+                ops.pinned_scatter(self.flat, index, batch.buf[owner])
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream), ops.host_validated():
+                rows = batch.buf[owner]
+                where = rows.device if sw.hybrid(self.flat, rows.device) else index.device
+                ops.pinned_scatter(self.flat, index, rows.to(where))
+                batch.buf.record_stream(self.stream)
+        batch.written = True
+
+    def _install(self, batch: _Batch) -> None:
+        """The batch's columns become the model's weight and the optimizer's state tensors."""
+        n = batch.plan.cpu.numel()
+        view = batch.buf.view(n, self.width, self.dim)
+        self.model_factory._weight().data = view[:, 0]
+        of = self.optimizer_factory
+        if of is not None and of.optVarList:
+            state = of.given_optimizer.state[of._param]
+            for k, key in enumerate(of.optVarList):
+                state[key] = view[:, 1 + k]
+
+    def _patch(self, batch: _Batch, older: _Batch) -> None:
+        """Rows of `batch` that `older` also holds: take older's updated values (its owner
+        slot: the first slot of the row, which a stable sort puts first)."""
+        sorted_ids, perm = older.plan.sorted
+        idx = batch.plan.on(self.device)
+        if sorted_ids.numel() == 0 or idx.numel() == 0:
+            return
+        pos = torch.searchsorted(sorted_ids, idx).clamp_(max=sorted_ids.numel() - 1)
+        hit = (sorted_ids[pos] == idx).unsqueeze(1)
+        batch.buf.copy_(torch.where(hit, older.buf[perm[pos]], batch.buf))
+
+    def settle(self, writing: bool = False) -> None:
+        """Before the host reads the tables: wait for the transfers. Before it writes them: also
+        forget the prefetched batch (it would be stale)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        if writing:
+            self.pending = None
+
+
+def colocate(model_factory, optimizer_factory=None) -> SharedRows:
+    """Keep the rows of ``model_factory``'s table and ``optimizer_factory``'s state tables side by
+    side in one host table, moved together by one transfer each way, and enable ``prefetch`` on
+    both factories. Call after their init methods (``uniformDistributionInit``, ``optInit``, ...):
+    the tables' current contents are copied into the shared table (for a moment both exist).
+    Pinned, CPU and CUDA stores; the model's weight must have the table's dtype."""
+    return SharedRows(model_factory, optimizer_factory)
