@@ -121,13 +121,20 @@ def batch_source(a, corpus):
     return lambda step: batches[step % len(batches)]
 
 
+def resolve_switching(switching: str, device) -> str:
+    if switching == "auto":
+        return "colocated" if torch.device(device).type == "cuda" else "plain"
+    return switching
+
+
 class SwitcherTraining:
     """The tables in pinned host memory (ordinary memory without a GPU), the optimizer state
     too; a step loads the batch's rows, trains the batch-sized model, and writes the rows back.
 
-    By default each table's weight and optimizer state share one host table
-    (``speedtorch_ops.colocate``: one transfer per table each way) and the next batch's rows are
-    prefetched while the current batch trains (``--switching``)."""
+    On a GPU each table's weight and optimizer state share one host table by default
+    (``speedtorch_ops.colocate``: one transfer of 1.5 KiB rows per table each way instead of
+    three of 512 B); ``--switching prefetch`` also loads the next batch while the current one
+    trains, ``--switching plain`` uses SpeedTorch 0.1.6's calls only."""
 
     def __init__(self, a, device):
         B, N = a.batch, a.negatives
@@ -144,9 +151,7 @@ class SwitcherTraining:
                                          "v_embeddings", CPUPinn=True)
         self.u_opt.optInit()
         self.v_opt.optInit()
-        switching = a.switching
-        if switching == "auto":
-            switching = "prefetch" if torch.device(device).type == "cuda" else "plain"
+        switching = resolve_switching(a.switching, device)
         self.prefetching = switching == "prefetch"
         if switching != "plain":
             so.colocate(self.u_sw, self.u_opt)
@@ -250,8 +255,8 @@ def parser() -> argparse.ArgumentParser:
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "
                         "colocated: weight and state rows side by side in one host table "
                         "(speedtorch_ops.colocate); prefetch: colocated, and the next batch's "
-                        "rows load while the current one trains; auto: prefetch on a GPU, "
-                        "plain on the CPU (nothing overlaps there)")
+                        "rows load while the current one trains; auto: colocated on a GPU, "
+                        "plain on the CPU (bench/RESULTS.md has the measurements)")
     p.add_argument("--transfer-sms", type=int, default=0,
                    help="SMs the transfer kernels may use (0: all), so that prefetches leave "
                         "room for the training kernels")
@@ -277,6 +282,7 @@ def main(argv=None) -> None:
     print(f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 tables "
           f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
           f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
+          f" ({resolve_switching(a.switching, device)} switching)"
           + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 
     r = train_switchers(a, corpus, device)
