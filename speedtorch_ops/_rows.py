@@ -70,13 +70,15 @@ class SharedRows:
                 raise ValueError(f"colocate: {type(f).__name__} keeps its table in "
                                  f"{f._placement!r} storage; only pinned, CPU and CUDA stores "
                                  "can share one table")
-        (weight_table,) = mf._tables()
+        shape = (mf.total_classes, mf.embed_dimension)
+        weight_table = getattr(mf, mf._attr, None)  # None: colocated before its init method
         weight = mf._weight()
-        if weight.dtype != weight_table.dtype:
+        if weight.dtype != mf._dtype:
             raise ValueError(f"colocate: the model's weight is {weight.dtype} but the table is "
-                             f"{weight_table.dtype}; they must match (the batch's rows become "
-                             "the weight without a copy)")
-        states: list = []
+                             f"{mf._dtype}; they must match (the batch's rows become the weight "
+                             "without a copy)")
+        keys: list = []
+        states: Optional[list] = None
         if of is not None:
             if of._param is not weight:
                 raise ValueError("colocate: the optimizer factory's variable is not this model "
@@ -89,32 +91,42 @@ class SharedRows:
             if of._placement != mf._placement:
                 raise ValueError(f"colocate: the stores must be in the same place, got "
                                  f"{mf._placement!r} and {of._placement!r}")
-            states = of._tables() if of.optVarList else []
-            for key, t in zip(of.optVarList, states):
-                if t.shape != weight_table.shape or t.dtype != weight_table.dtype:
-                    raise ValueError(f"colocate: state table {key!r} is {tuple(t.shape)} "
-                                     f"{t.dtype}, the weight table {tuple(weight_table.shape)} "
-                                     f"{weight_table.dtype}; they must match")
-        rows, dim = weight_table.shape
-        self.width = 1 + len(states)
-        self.dim = dim
-        self.host = sw.allocate((rows, self.width, dim), weight_table.dtype, mf._placement)
-        for k, table in enumerate([weight_table, *states]):
-            self.host[:, k].copy_(table)
-        self.flat = self.host.view(rows, self.width * dim)  # what the ops move: whole rows
-        setattr(mf, mf._attr, self.host[:, 0])
-        if of is not None and of.optVarList:
-            setattr(of, of._attr, [self.host[:, 1 + k] for k in range(len(states))])
-        self.model_factory, self.optimizer_factory = mf, of
+            if (of.total_classes, of.embed_dimension) != shape or of._dtype != mf._dtype:
+                state_shape = (of.total_classes, of.embed_dimension)
+                raise ValueError(f"colocate: the state tables are {state_shape} {of._dtype}, "
+                                 f"the weight table {shape} {mf._dtype}; they must match")
+            keys = list(of.optVarList)
+            states = getattr(of, of._attr, None) if keys else None
         self.device = weight.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.current: Optional[_Batch] = None
         self.pending: Optional[_Batch] = None  # prefetched, not yet taken in
+        self.width = 1 + len(keys)
+        self.dim = shape[1]
+        # Zeros, or the tables' current contents (then both exist for a moment).
+        self.host = sw.allocate((shape[0], self.width, self.dim), mf._dtype, mf._placement)
+        if weight_table is not None:
+            self.host[:, 0].copy_(weight_table)
+            setattr(mf, mf._attr, self.column(0))
+        for k, key in enumerate(keys):
+            if states is not None:
+                self.host[:, 1 + k].copy_(states[k])
+            else:
+                self.host[:, 1 + k].fill_(of._fills[key])
+        if states is not None:
+            setattr(of, of._attr, [self.column(1 + k) for k in range(len(keys))])
+        self.flat = self.host.view(shape[0], self.width * self.dim)  # whole rows: what moves
+        self.model_factory, self.optimizer_factory = mf, of
         self._pool: list = []
         self._slot_of: Optional[np.ndarray] = None  # see _patch
         mf._rows = self
         if of is not None:
             of._rows = self
+
+    def column(self, k: int) -> Tensor:
+        """The host table of part k: 0 the weight, 1 + j the optimizer's j-th state tensor."""
+        self.settle(writing=True)
+        return self.host[:, k]
 
     # ---- buffers ------------------------------------------------------------------------
 
@@ -247,7 +259,8 @@ class SharedRows:
 def colocate(model_factory, optimizer_factory=None) -> SharedRows:
     """Keep the rows of ``model_factory``'s table and ``optimizer_factory``'s state tables side by
     side in one host table, moved together by one transfer each way, and enable ``prefetch`` on
-    both factories. Call after their init methods (``uniformDistributionInit``, ``optInit``, ...):
-    the tables' current contents are copied into the shared table (for a moment both exist).
-    Pinned, CPU and CUDA stores; the model's weight must have the table's dtype."""
+    both factories. Call it right after constructing the factories: their init methods
+    (``uniformDistributionInit``, ``optInit``, ...) then fill the shared table. Called after
+    them, it copies the tables' contents in (both layouts exist for a moment). Pinned, CPU and
+    CUDA stores; the model's weight must have the table's dtype."""
     return SharedRows(model_factory, optimizer_factory)

@@ -142,20 +142,20 @@ class SwitcherTraining:
         self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr)
         self.u_sw = so.ModelFactory(self.model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
         self.v_sw = so.ModelFactory(self.model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
-        bound = 0.5 / a.dim
-        self.u_sw.uniformDistributionInit(-bound, bound)
-        self.v_sw.normalDistributionInit(0.0, bound)
         self.u_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
                                          "u_embeddings", CPUPinn=True)
         self.v_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
                                          "v_embeddings", CPUPinn=True)
-        self.u_opt.optInit()
-        self.v_opt.optInit()
         switching = resolve_switching(a.switching, device)
         self.prefetching = switching == "prefetch"
-        if switching != "plain":
+        if switching != "plain":  # before the init methods: they fill the shared tables
             so.colocate(self.u_sw, self.u_opt)
             so.colocate(self.v_sw, self.v_opt)
+        bound = 0.5 / a.dim
+        self.u_sw.uniformDistributionInit(-bound, bound)
+        self.v_sw.normalDistributionInit(0.0, bound)
+        self.u_opt.optInit()
+        self.v_opt.optInit()
         self.centre = torch.as_tensor(self.u_sw.variableTransformer(B, 1), device=device)
         self.context, self.negatives = (torch.as_tensor(x, device=device)
                                         for x in self.v_sw.variableTransformer(B, 1, N))

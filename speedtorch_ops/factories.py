@@ -118,12 +118,6 @@ class _TableMethods:
             table.copy_(value)
 
 
-def _refuse_if_colocated(factory, what: str) -> None:
-    if factory._rows is not None:
-        raise RuntimeError(f"{type(factory).__name__}: cannot {what} after colocate(); "
-                           "initialize the tables first, then colocate")
-
-
 class _ModelSwitcher(_TableMethods):
     """One full embedding table; before each step the batch's rows become the weight of the
     batch-sized module ``model_variable``, after the step they are written back."""
@@ -139,7 +133,8 @@ class _ModelSwitcher(_TableMethods):
         self._hooked = None
 
     def _new_table(self) -> Tensor:
-        _refuse_if_colocated(self, "re-initialize the table")
+        if self._rows is not None:  # colocated: (re)initialize the weight column in place
+            return self._rows.column(0).zero_()
         return sw.allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
 
     def zerosInit(self) -> None:
@@ -213,12 +208,14 @@ class _OptimizerSwitcher(_TableMethods):
         self._plan: Optional[sw.Plan] = None
 
     def _new_tables(self) -> list:
+        if self._rows is not None:  # colocated: (re)initialize the state columns in place
+            return [self._rows.column(1 + k).fill_(self._fills[key])
+                    for k, key in enumerate(self.optVarList)]
         shape = (self.total_classes, self.embed_dimension)
         return [sw.allocate(shape, self._dtype, self._placement).fill_(self._fills[k])
                 for k in self.optVarList]
 
     def optInit(self) -> None:
-        _refuse_if_colocated(self, "re-initialize the state tables")
         setattr(self, self._attr, self._new_tables())
 
     def _swappable(self, device: torch.device) -> bool:

@@ -83,17 +83,21 @@ def factories(store, model, opt, dtype):
 
 
 def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain"):
-    """mode: "plain" (0.1.6's calls), "colocated" (so.colocate on each pair), "prefetch"
-    (colocated, and each step prefetches the next batch right after beforeForwardPass)."""
+    """mode: "plain" (0.1.6's calls), "colocated" (so.colocate on each pair before the init
+    methods), "prefetch" (colocated after them, and each step prefetches the next batch right
+    after beforeForwardPass)."""
     dtype = torch.float64
     model = SlotModel(B, B * (P + N), sparse=opt_name == "SparseAdam").to(device, dtype)
     opt = make_optimizer(opt_name, model.parameters())
     u_sw, v_sw, u_opt, v_opt = factories(store, model, opt, dtype)
+    if mode == "colocated":  # before the init methods (they fill the shared tables)
+        so.colocate(u_sw, u_opt)
+        so.colocate(v_sw, v_opt)
     u_sw.customInit(lambda t: t.copy_(init_u))
     v_sw.customInit(lambda t: t.copy_(init_v))
     u_opt.optInit()
     v_opt.optInit()
-    if mode != "plain":
+    if mode == "prefetch":  # after them (the tables are copied in)
         so.colocate(u_sw, u_opt)
         so.colocate(v_sw, v_opt)
     u_slots = torch.as_tensor(u_sw.variableTransformer(B, 1), device=device)
@@ -247,6 +251,26 @@ def test_colocated_optimizers_equal_lazy_reference(device, store, duplicates, mo
                                   f"{opt_name} {mode} seed {gen.initial_seed()}")
 
 
+def test_colocate_before_init_fills_the_shared_table(gen):
+    """colocate() right after construction: the init methods write into the shared table, no
+    second copy of the tables is made, and re-initializing keeps the views."""
+    model = SlotModel(B, B).double()
+    opt = torch.optim.Adagrad(model.parameters(), initial_accumulator_value=0.25)
+    mf = so.ModelFactory(model.u_embeddings, V, D, datatype="float64", CPUPinn=True)
+    of = so.OptimizerFactory(opt, V, D, model, "u_embeddings", "float64", True)
+    rows = so.colocate(mf, of)
+    init = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.customInit(lambda t: t.copy_(init))
+    of.optInit()
+    assert mf.CUPYcorpus.data_ptr() == rows.host.data_ptr()
+    assert torch.equal(rows.host[:, 0], init)
+    assert torch.equal(rows.host[:, 1], torch.full((V, D), 0.25, dtype=torch.float64))
+    assert [t.data_ptr() for t in of.CUPYcorpi] == [rows.host[:, 1].data_ptr()]
+    mf.zerosInit()  # in place
+    assert mf.CUPYcorpus.data_ptr() == rows.host.data_ptr() and not rows.host[:, 0].any()
+    assert torch.equal(rows.host[:, 1], torch.full((V, D), 0.25, dtype=torch.float64))
+
+
 def test_colocated_tables_are_views_of_one_table(gen):
     model = SlotModel(B, B).double()
     opt = torch.optim.Adam(model.parameters())
@@ -291,8 +315,6 @@ def test_colocate_refuses_bad_pairs(tmp_path, monkeypatch, gen):
     so.colocate(mf)
     with pytest.raises(ValueError, match="already colocated"):
         so.colocate(mf)
-    with pytest.raises(RuntimeError, match="cannot re-initialize"):
-        mf.zerosInit()
     mf.beforeForwardPass(np.array([1, 2, 3]))
     with pytest.raises(ValueError, match="not the batch loaded"):
         mf.afterOptimizerStep(np.array([1, 2, 4]))
