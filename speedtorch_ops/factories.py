@@ -250,14 +250,14 @@ class _OptimizerSwitcher(_TableMethods):
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         device = self._param.device
-        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
         if self._rows is not None:
-            self._rows.write_back(plan)
+            self._rows.write_back(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device))
             return
         if not self.optVarList:
             return
         stores = self._tables()
         state = self.given_optimizer.state[self._param]
+        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
         if self._swappable(device):
             owner = plan.owner.to(device)
             rows = [state[key].detach()[owner] for key in self.optVarList]
