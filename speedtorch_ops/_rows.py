@@ -27,6 +27,7 @@ current stream: read the host tables only through the factories' methods (they w
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -129,21 +130,31 @@ class SharedRows:
     # ---- buffers ------------------------------------------------------------------------
 
     def _buffer(self, n: int) -> Tensor:
-        """A device buffer of n rows that no live batch uses (reused across steps)."""
-        busy = {id(b.buf) for b in (self.current, self.pending,
-                                    self.pending.stale_from if self.pending else None) if b}
+        """A device buffer of n rows other than the current batch's, reused across steps. Earlier
+        uses of a reused buffer are ordered before the new one: on the transfer stream, which
+        waits for the current stream first; or on the current stream, which waits for the
+        transfer stream before a load of its own."""
+        busy = self.current.buf if self.current is not None else None
         for buf in self._pool:
-            if buf.shape[0] == n and id(buf) not in busy:
+            if buf.shape[0] == n and buf is not busy:
                 return buf
+        # Batches of another size: keep the current batch's buffer and this size's only.
+        self._pool = [b for b in self._pool if b is busy or b.shape[0] == n]
         buf = torch.empty((n, self.width * self.dim), dtype=self.host.dtype, device=self.device)
         self._pool.append(buf)
-        # Batches of varying sizes: keep the busy buffers and a few others.
-        while len(self._pool) > 6:
-            victim = next((b for b in self._pool if id(b) not in busy), None)
-            if victim is None:
-                break
-            self._pool.remove(victim)
         return buf
+
+    @contextlib.contextmanager
+    def _on_transfer_stream(self, buf: Tensor):
+        """Work queued inside runs on the transfer stream, after everything queued so far on
+        the current stream (without a GPU: here and now); `buf` is marked as used there."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        buf.record_stream(self.stream)
 
     def _gather(self, batch: _Batch) -> None:
         index = sw.index_for(self.flat, batch.plan, self.device)
@@ -161,13 +172,9 @@ class SharedRows:
         current = self.current
         stale = current if current is not None and not current.written else None
         batch = _Batch(plan, self._buffer(plan.cpu.numel()), stale_from=stale)
-        if self.stream is None:
+        with self._on_transfer_stream(batch.buf):
             self._gather(batch)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                self._gather(batch)
-                batch.buf.record_stream(self.stream)
+            if self.stream is not None:
                 batch.ready = self.stream.record_event()
         self.pending = batch
 
@@ -203,16 +210,10 @@ class SharedRows:
             return
         owner = plan.owner  # on the current stream, before the transfer stream waits for it
         index = sw.index_for(self.flat, plan, self.device)
-        if self.stream is None:
-            with ops.host_validated():
-                ops.pinned_scatter(self.flat, index, batch.buf[owner])
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream), ops.host_validated():
-                rows = batch.buf[owner]
-                where = rows.device if sw.hybrid(self.flat, rows.device) else index.device
-                ops.pinned_scatter(self.flat, index, rows.to(where))
-                batch.buf.record_stream(self.stream)
+        with self._on_transfer_stream(batch.buf), ops.host_validated():
+            rows = batch.buf[owner]
+            where = rows.device if sw.hybrid(self.flat, rows.device) else index.device
+            ops.pinned_scatter(self.flat, index, rows.to(where))
         batch.written = True
 
     def _install(self, batch: _Batch) -> None:

@@ -120,7 +120,7 @@ class Plan:
         check_ids_dtype(index)
         self.cpu = index.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
         self.device = device
-        self.index = self._upload(device) if device.type != "cpu" else self.cpu
+        self.index = upload(self.cpu, device)
         self._owner: Optional[Tensor] = None
         self._sorted: Optional[tuple] = None
         self._range = None
@@ -138,13 +138,10 @@ class Plan:
             raise RuntimeError(f"ids[{bad}] = {int(self.cpu[bad])} is out of range for a table of "
                                f"{rows} rows; every id must be in [0, {rows}). Nothing was written.")
 
-    def _upload(self, device: torch.device) -> Tensor:
-        return upload(self.cpu, device)
-
     def on(self, device: torch.device) -> Tensor:
         if device == self.device or (device.type == self.device.type == "cpu"):
             return self.index
-        return self.cpu if device.type == "cpu" else self._upload(device)
+        return upload(self.cpu, device)
 
     @property
     def sorted(self) -> tuple:

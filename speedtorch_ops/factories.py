@@ -39,18 +39,6 @@ class _TableMethods:
         if self._rows is not None:
             self._rows.settle(writing)
 
-    def prefetch(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
-        """(Not in SpeedTorch 0.1.6.) Start loading the rows of the next batch on a transfer
-        stream while the current batch trains; a later beforeForwardPass with the same ids takes
-        them. Call it right after beforeForwardPass. Colocated factories only
-        (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
-        updated rows on the device, so training is the same as without prefetch."""
-        if self._rows is None:
-            raise RuntimeError(f"{type(self).__name__}.prefetch needs colocated factories: call "
-                               "speedtorch_ops.colocate(model_factory, optimizer_factory) first")
-        self._rows.prefetch(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes,
-                                        self._rows.device))
-
     def _tables(self) -> list:
         value = getattr(self, self._attr, None)
         if value is None:
@@ -118,7 +106,23 @@ class _TableMethods:
             table.copy_(value)
 
 
-class _ModelSwitcher(_TableMethods):
+class _Prefetching:
+    """``prefetch`` of the model and optimizer factories."""
+
+    def prefetch(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
+        """(Not in SpeedTorch 0.1.6.) Start loading the rows of the next batch on a transfer
+        stream while the current batch trains; a later beforeForwardPass with the same ids takes
+        them. Call it right after beforeForwardPass. Colocated factories only
+        (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
+        updated rows on the device, so training is the same as without prefetch."""
+        if self._rows is None:
+            raise RuntimeError(f"{type(self).__name__}.prefetch needs colocated factories: call "
+                               "speedtorch_ops.colocate(model_factory, optimizer_factory) first")
+        self._rows.prefetch(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes,
+                                        self._rows.device))
+
+
+class _ModelSwitcher(_Prefetching, _TableMethods):
     """One full embedding table; before each step the batch's rows become the weight of the
     batch-sized module ``model_variable``, after the step they are written back."""
 
@@ -185,7 +189,7 @@ class _ModelSwitcher(_TableMethods):
 
 
 
-class _OptimizerSwitcher(_TableMethods):
+class _OptimizerSwitcher(_Prefetching, _TableMethods):
     """The per-row optimizer state of one embedding: a full table per state tensor, swapped in
     and out of ``optimizer.state[weight]`` around each step."""
 
