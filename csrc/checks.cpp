@@ -7,6 +7,7 @@
 #include <atomic>
 #include <string>
 #include <limits>
+#include <utility>
 
 namespace speedtorch_ops {
 
@@ -129,6 +130,38 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
       check_no_overlap(store, store_name.c_str(), stores[j], named("stores", j).c_str());
     }
   }
+}
+
+void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
+                                const at::Tensor& sorted_rows, const at::Tensor& slots,
+                                const c10::Device& device) {
+  check_table(table, "table");
+  check_index(sorted_rows, "sorted_rows");
+  check_index(slots, "slots");
+  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
+  TORCH_CHECK(table.dim() >= 2 && table.size(1) == static_cast<int64_t>(parts.size()),
+              "table must have shape (rows, len(parts), ...) = (rows, ", parts.size(),
+              ", ...), got ", table.sizes());
+  TORCH_CHECK(slots.numel() == sorted_rows.numel(), "slots has ", slots.numel(),
+              " entries but sorted_rows has ", sorted_rows.numel(), "; pass one slot per row");
+  TORCH_CHECK(sorted_rows.device() == device && slots.device() == device, "sorted_rows and slots "
+              "must be on ", device, " (where parts are), got ", sorted_rows.device(), " and ",
+              slots.device());
+  const auto part_like = table.select(1, 0);  // the shape and dtype of one part of a row
+  for (const auto k : c10::irange(parts.size())) {
+    const auto name = "parts[" + std::to_string(k) + "]";
+    check_rows_like(parts[k], name.c_str(), part_like, sorted_rows.numel(), device);
+    TORCH_CHECK(parts[k].is_contiguous(), name, " must be contiguous (it is read and written in "
+                "place)");
+    check_no_overlap(parts[k], name.c_str(), table, "table");
+    check_no_overlap(parts[k], name.c_str(), sorted_rows, "sorted_rows");
+    check_no_overlap(parts[k], name.c_str(), slots, "slots");
+    for (const auto j : c10::irange(k)) {
+      check_no_overlap(parts[k], name.c_str(), parts[j], ("parts[" + std::to_string(j) + "]").c_str());
+    }
+  }
+  check_no_overlap(table, "table", sorted_rows, "sorted_rows");
+  check_no_overlap(table, "table", slots, "slots");
 }
 
 }  // namespace speedtorch_ops

@@ -26,6 +26,18 @@ TORCH_LIBRARY(speedtorch_ops, m) {
       "optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
       "Tensor? load_index) -> ()",
       pt2);
+  // For the factories (private): a batch's rows moved by ids the caller sorted once, for a table
+  // whose rows are split into parts (a weight and its optimizer state side by side: table of
+  // shape (rows, len(parts), ...), parts[k] of shape (n, ...) holding part k of the batch's
+  // rows). sorted_rows ascending, slots[j] the batch row paired with sorted_rows[j]. load:
+  // parts[k][slots[j]] = table[sorted_rows[j], k], each distinct table row read once, whole.
+  // Otherwise (write-back): table[sorted_rows[j], k] = parts[k][slots[j]] for the last j of each
+  // run of equal rows (callers pass slots that agree within a run), each row written once. The
+  // public ops sort their index themselves; this one lets a training step sort a batch's ids
+  // once for its load, its write-back and its duplicate bookkeeping. Index values are validated
+  // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
+  m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
+        "Tensor slots, bool load) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

@@ -38,7 +38,8 @@ from . import ops
 
 
 class _Batch:
-    """One batch's rows on the device: weight and state of each slot, side by side."""
+    """One batch's rows on the device: buf[0] the weight, buf[1 + k] the k-th state tensor, each
+    (slots, dim) and contiguous (so fused and foreach optimizers take their fast paths)."""
 
     def __init__(self, plan: sw.Plan, buf: Tensor, stale_from: Optional["_Batch"] = None):
         self.plan = plan
@@ -83,11 +84,6 @@ class SharedRows:
             if of._param is not weight:
                 raise ValueError("colocate: the optimizer factory's variable is not this model "
                                  "factory's weight")
-            group, _ = sw.find_group(of.given_optimizer, weight)
-            if group.get("fused") and of.optVarList:
-                raise ValueError("colocate: fused optimizers (fused=True) need contiguous state "
-                                 "tensors, and colocated state is a strided view of the batch's "
-                                 "rows; use the default (foreach) implementation")
             if of._placement != mf._placement:
                 raise ValueError(f"colocate: the stores must be in the same place, got "
                                  f"{mf._placement!r} and {of._placement!r}")
@@ -136,30 +132,44 @@ class SharedRows:
         transfer stream before a load of its own."""
         busy = self.current.buf if self.current is not None else None
         for buf in self._pool:
-            if buf.shape[0] == n and buf is not busy:
+            if buf.shape[1] == n and buf is not busy:
                 return buf
         # Batches of another size: keep the current batch's buffer and this size's only.
-        self._pool = [b for b in self._pool if b is busy or b.shape[0] == n]
-        buf = torch.empty((n, self.width * self.dim), dtype=self.host.dtype, device=self.device)
+        self._pool = [b for b in self._pool if b is busy or b.shape[1] == n]
+        buf = torch.empty((self.width, n, self.dim), dtype=self.host.dtype, device=self.device)
         self._pool.append(buf)
         return buf
 
     @contextlib.contextmanager
-    def _on_transfer_stream(self, buf: Tensor):
+    def _on_transfer_stream(self, *used: Tensor):
         """Work queued inside runs on the transfer stream, after everything queued so far on
-        the current stream (without a GPU: here and now); `buf` is marked as used there."""
+        the current stream (without a GPU: here and now); the tensors `used` (allocated on the
+        current stream) are marked as used there."""
         if self.stream is None:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
-        buf.record_stream(self.stream)
+        for t in used:
+            t.record_stream(self.stream)
 
-    def _gather(self, batch: _Batch) -> None:
-        index = sw.index_for(self.flat, batch.plan, self.device)
+    def _sorted_ids(self, plan: sw.Plan):
+        """The plan's sorted ids and slots, for _sorted_transfer, or None where the rows move
+        through CPU threads (a pageable table with rows on a GPU: the public ops' hybrid
+        path). Sorted on the current stream: call before entering the transfer stream."""
+        return None if sw.hybrid(self.flat, self.device) else plan.sorted
+
+    def _gather(self, batch: _Batch, by_sort) -> None:
+        """Load the batch's rows: each distinct row read once, whole, in address order."""
         with ops.host_validated():
-            ops.pinned_gather_into(self.flat, index, batch.buf)
+            if by_sort is None:
+                rows = torch.empty((batch.buf.shape[1], self.width * self.dim),
+                                   dtype=self.host.dtype, device=self.device)
+                ops.pinned_gather_into(self.flat, batch.plan.cpu, rows)
+                batch.buf.copy_(rows.view(-1, self.width, self.dim).transpose(0, 1))
+            else:
+                ops._sorted_transfer(self.host, batch.buf.unbind(0), *by_sort, load=True)
 
     # ---- the factories' calls -------------------------------------------------------------
 
@@ -172,8 +182,9 @@ class SharedRows:
         current = self.current
         stale = current if current is not None and not current.written else None
         batch = _Batch(plan, self._buffer(plan.cpu.numel()), stale_from=stale)
-        with self._on_transfer_stream(batch.buf):
-            self._gather(batch)
+        by_sort = self._sorted_ids(plan)
+        with self._on_transfer_stream(batch.buf, *(by_sort or ())):
+            self._gather(batch, by_sort)
             if self.stream is not None:
                 batch.ready = self.stream.record_event()
         self.pending = batch
@@ -194,7 +205,7 @@ class SharedRows:
             batch = _Batch(plan, self._buffer(plan.cpu.numel()))
             if self.stream is not None:  # write-backs queued on the transfer stream land first
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._gather(batch)
+            self._gather(batch, self._sorted_ids(plan))
         batch.stale_from = None
         self.current = batch
         self._install(batch)
@@ -208,24 +219,25 @@ class SharedRows:
                              "beforeForwardPass of these colocated factories")
         if batch.written:
             return
-        owner = plan.owner  # on the current stream, before the transfer stream waits for it
-        index = sw.index_for(self.flat, plan, self.device)
-        with self._on_transfer_stream(batch.buf), ops.host_validated():
-            rows = batch.buf[owner]
-            where = rows.device if sw.hybrid(self.flat, rows.device) else index.device
-            ops.pinned_scatter(self.flat, index, rows.to(where))
+        by_sort = self._sorted_ids(plan)  # and the owners: on the current stream
+        owners = plan.owner if by_sort is None else plan.owner_sorted
+        with self._on_transfer_stream(batch.buf, owners, *(by_sort or ())), ops.host_validated():
+            if by_sort is None:  # through CPU threads: every slot writes its owner's values
+                rows = batch.buf[:, owners].transpose(0, 1).reshape(-1, self.width * self.dim)
+                ops.pinned_scatter(self.flat, plan.cpu, rows)
+            else:  # each distinct row once, from its owner slot
+                ops._sorted_transfer(self.host, batch.buf.unbind(0), by_sort[0], owners,
+                                     load=False)
         batch.written = True
 
     def _install(self, batch: _Batch) -> None:
         """The batch's columns become the model's weight and the optimizer's state tensors."""
-        n = batch.plan.cpu.numel()
-        view = batch.buf.view(n, self.width, self.dim)
-        self.model_factory._weight().data = view[:, 0]
+        self.model_factory._weight().data = batch.buf[0]
         of = self.optimizer_factory
         if of is not None and of.optVarList:
             state = of.given_optimizer.state[of._param]
             for k, key in enumerate(of.optVarList):
-                state[key] = view[:, 1 + k]
+                state[key] = batch.buf[1 + k]
 
     def _patch(self, batch: _Batch, older: _Batch) -> None:
         """Rows of `batch` that `older` also holds take older's updated values (the row's owner
@@ -237,8 +249,8 @@ class SharedRows:
         if sorted_ids.numel() == 0 or idx.numel() == 0:
             return
         pos = torch.searchsorted(sorted_ids, idx).clamp_(max=sorted_ids.numel() - 1)
-        hit = (sorted_ids[pos] == idx).unsqueeze(1)
-        batch.buf.copy_(torch.where(hit, older.buf.index_select(0, perm[pos]), batch.buf))
+        hit = (sorted_ids[pos] == idx).view(1, -1, 1)
+        batch.buf.copy_(torch.where(hit, older.buf.index_select(1, perm[pos]), batch.buf))
 
     def settle(self, writing: bool = False) -> None:
         """Before the host reads the tables: wait for the transfers. Before it writes them: also

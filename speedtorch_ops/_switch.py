@@ -122,6 +122,7 @@ class Plan:
         self.device = device
         self.index = upload(self.cpu, device)
         self._owner: Optional[Tensor] = None
+        self._owner_sorted: Optional[Tensor] = None
         self._sorted: Optional[tuple] = None
         self._range = None
 
@@ -151,18 +152,20 @@ class Plan:
         return self._sorted
 
     @property
-    def owner(self) -> Tensor:
-        if self._owner is None:
-            idx = self.index
+    def owner_sorted(self) -> Tensor:
+        """The owner slot of each sorted position (the row's first slot: a binary search finds
+        the first position of each run, the stable sort keeps a row's slots ascending)."""
+        if self._owner_sorted is None:
             sorted_ids, perm = self.sorted
-            n = idx.numel()
-            positions = torch.arange(n, device=idx.device)
-            starts = torch.ones(n, dtype=torch.bool, device=idx.device)
-            starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-            first = torch.where(starts, positions, torch.zeros_like(positions)).cummax(0).values
-            owner = torch.empty_like(perm)
-            owner[perm] = perm[first]
-            self._owner = owner
+            self._owner_sorted = perm[torch.searchsorted(sorted_ids, sorted_ids)]
+        return self._owner_sorted
+
+    @property
+    def owner(self) -> Tensor:
+        """The owner slot of each slot."""
+        if self._owner is None:
+            _, perm = self.sorted
+            self._owner = torch.empty_like(perm).index_copy_(0, perm, self.owner_sorted)
         return self._owner
 
 

@@ -187,6 +187,16 @@ class SwitcherTraining:
     def write_back(self, labels, ctx, negs) -> None:
         self._each_factory("afterOptimizerStep", labels, ctx, negs)
 
+    def step(self, batch, following=None) -> Tensor:
+        """One training step on `batch` (labels, contexts, negatives); with prefetch on, the
+        `following` batch (if any) starts loading while this one trains."""
+        self.load(*batch)
+        if following is not None and self.prefetching:
+            self.prefetch(*following)
+        loss = self.compute()
+        self.write_back(*batch)
+        return loss
+
     def tables(self) -> list:
         return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
                 *self.v_opt.CUPYcorpi]
@@ -199,12 +209,8 @@ def train_switchers(a, corpus, device):
     start = time.perf_counter()
     batch = next_batch(0)
     for step in progress(range(a.steps), a.steps):
-        run.load(*batch)
         following = next_batch(step + 1) if step + 1 < a.steps else None
-        if following is not None and run.prefetching:
-            run.prefetch(*following)
-        loss = run.compute()
-        run.write_back(*batch)
+        loss = run.step(batch, following)
         batch = following
         if step % max(1, a.steps // 20) == 0 or step == a.steps - 1:
             losses.append(float(loss))

@@ -63,6 +63,18 @@ def optimizer_state_swap(
     _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index)
 
 
+def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor, slots: Tensor,
+                     load: bool) -> None:
+    """Private, for the factories: a batch's rows moved by ids the caller sorted once, for a
+    ``table`` of shape ``(rows, len(parts), ...)`` (a weight and its optimizer state side by
+    side); ``parts[k]`` of shape ``(n, ...)`` holds part ``k`` of the batch's rows.
+    ``sorted_rows`` ascending, ``slots[j]`` the batch row paired with ``sorted_rows[j]``. With
+    ``load``: ``parts[k][slots[j]] = table[sorted_rows[j], k]``, each distinct row read once;
+    else ``table[sorted_rows[j], k] = parts[k][slots[j]]`` for the last ``j`` of each run of
+    equal rows."""
+    _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load)
+
+
 @contextlib.contextmanager
 def host_validated() -> Iterator[None]:
     """For callers that checked their indices on the host (the factories): on this thread, CUDA
@@ -141,6 +153,18 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index) -> No
     for store, b in zip(stores, batch):
         torch._check(b.shape[1:] == store.shape[1:], lambda: "batch rows must match store rows")
         torch._check(b.dtype == store.dtype, lambda: "batch must have the store's dtype")
+
+
+@torch.library.register_fake("speedtorch_ops::_sorted_transfer")
+def _sorted_transfer_fake(table, parts, sorted_rows, slots, load) -> None:
+    _check_index_meta(sorted_rows, "sorted_rows")
+    _check_index_meta(slots, "slots")
+    torch._check(table.dim() >= 2 and table.shape[1] == len(parts),
+                 lambda: "table must have shape (rows, len(parts), ...)")
+    for part in parts:
+        torch._check(part.shape == (sorted_rows.shape[0], *table.shape[2:]),
+                     lambda: "a part has the wrong shape")
+        torch._check(part.dtype == table.dtype, lambda: "parts must have the table's dtype")
 
 
 # ---- autograd: pinned_gather is index_select, so its gradient is an index_add ----------------

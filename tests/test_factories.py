@@ -57,6 +57,7 @@ def make_optimizer(name, params):
         "SGD": lambda: torch.optim.SGD(params, lr=0.1),
         "SGD-momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
         "Adam": lambda: torch.optim.Adam(params, lr=0.05),
+        "Adam-fused": lambda: torch.optim.Adam(params, lr=0.05, fused=True),
         "AdamW": lambda: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1, amsgrad=True),
         "Adagrad": lambda: torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1),
         "RMSprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5, centered=True),
@@ -237,8 +238,8 @@ def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mod
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
 @pytest.mark.parametrize("mode", ["colocated", "prefetch"])
-@pytest.mark.parametrize("opt_name", ["Adam", "AdamW", "Adagrad", "RMSprop", "Rprop",
-                                      "SparseAdam"])
+@pytest.mark.parametrize("opt_name", ["Adam", "Adam-fused", "AdamW", "Adagrad", "RMSprop",
+                                      "Rprop", "SparseAdam"])
 def test_colocated_optimizers_equal_lazy_reference(device, store, duplicates, mode, opt_name,
                                                    gen):
     """Colocated rows, with and without prefetch: the same result as the lazy reference (the
@@ -283,6 +284,13 @@ def test_colocated_tables_are_views_of_one_table(gen):
     assert rows.host.shape == (V, 3, D)
     assert mf.CUPYcorpus.data_ptr() == rows.host.data_ptr()
     assert [t.data_ptr() for t in of.CUPYcorpi] == [rows.host[:, k].data_ptr() for k in (1, 2)]
+    with torch.no_grad():  # the batch's weight and state are contiguous (fused optimizers)
+        mf.beforeForwardPass(np.array([4, 0, 4]))
+        of.beforeForwardPass(np.array([4, 0, 4]))
+    state = opt.state[model.u_embeddings.weight]
+    for t in (model.u_embeddings.weight, state["exp_avg"], state["exp_avg_sq"]):
+        assert t.is_contiguous() and t.shape == (3, D)
+    assert torch.equal(model.u_embeddings.weight[[0, 2]], init[[4, 4]])
     assert np.array_equal(mf.getNumpyVersion(), init.numpy())  # contents carried over
     assert np.array_equal(of.getNumpyVersion(), np.zeros((2, V, D)))
 
@@ -297,11 +305,6 @@ def test_colocate_refuses_bad_pairs(tmp_path, monkeypatch, gen):
     other.optInit()
     with pytest.raises(ValueError, match="not this model factory's weight"):
         so.colocate(mf, other)
-    fused = torch.optim.Adam(model.parameters(), fused=True)
-    fused_factory = so.OptimizerFactory(fused, V, D, model, "u_embeddings", "float64", True)
-    fused_factory.optInit()
-    with pytest.raises(ValueError, match="fused optimizers"):
-        so.colocate(mf, fused_factory)
     f32 = so.ModelFactory(model.v_embeddings, V, D, datatype="float32", CPUPinn=True)
     f32.zerosInit()
     with pytest.raises(ValueError, match="must match"):

@@ -81,3 +81,14 @@ def test_opcheck_optimizer_state_swap(store, gen):
     load = random_index(8, 30, torch.int64, store, gen)
     for args in ((wb, load), (None, load), (wb, None)):
         opcheck(ops.optimizer_state_swap.default, (stores, batch, *args), store)
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_opcheck_sorted_transfer(store, gen):
+    dev = index_device(store)
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        table = place(random_rows((37, 3, 5), dtype, gen), store)
+        sorted_rows, slots = torch.sort(random_index(19, 37, torch.int64, store, gen), stable=True)
+        parts = [random_rows((19, 5), dtype, gen).to(dev) for _ in range(3)]
+        for load in (True, False):
+            opcheck(ops._sorted_transfer.default, (table, parts, sorted_rows, slots, load), store)

@@ -51,11 +51,7 @@ def main() -> None:
             timer(owner, name, f"{getattr(owner, '__name__', type(owner).__name__)}.{name}")
 
     def step(i):
-        run.load(*batches[i % 16])
-        if run.prefetching:
-            run.prefetch(*batches[(i + 1) % 16])
-        run.compute()
-        run.write_back(*batches[i % 16])
+        run.step(batches[i % 16], batches[(i + 1) % 16])
 
     for i in range(10):
         step(i)

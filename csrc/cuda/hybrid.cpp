@@ -288,9 +288,8 @@ void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch
     t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
     for (int k = 0; k < t.count; ++k) {
       char* block = staging.device_block(first + k);
-      t.dst[k] = to_batch ? pairs[first + k].batch : block;
-      t.src[k] = to_batch ? block : pairs[first + k].batch;
-      t.row_bytes[k] = pairs[first + k].row_bytes;
+      char* batch = pairs[first + k].batch;
+      t.set(k, to_batch ? batch : block, to_batch ? block : batch, pairs[first + k].row_bytes);
     }
     C10_CUDA_CHECK(cuda::launch_copy_rows(t, to_batch ? pos : nullptr, to_batch ? nullptr : pos, n,
                                           false, nullptr, v.status(), v.grid(), stream));

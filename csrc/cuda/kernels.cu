@@ -20,6 +20,8 @@ int team_log2_for(int64_t row_units) {
   return log2;
 }
 
+// Capped grids (set_transfer_sm_limit) launch one block of this many threads per SM; the
+// transfer kernels are bounded to it, so their registers always fit such a block.
 constexpr int kCappedThreads = 1024;
 
 struct Shape {
@@ -50,7 +52,8 @@ cudaError_t by_vector_width(const Tables& t, const Go& go) {
   uintptr_t align = 0;
   for (int k = 0; k < t.count; ++k) {
     align |= reinterpret_cast<uintptr_t>(t.dst[k]) | reinterpret_cast<uintptr_t>(t.src[k]) |
-             static_cast<uintptr_t>(t.row_bytes[k]);
+             static_cast<uintptr_t>(t.row_bytes[k]) | static_cast<uintptr_t>(t.dst_stride[k]) |
+             static_cast<uintptr_t>(t.src_stride[k]);
   }
   if (align % 16 == 0) return go(uint4{});
   if (align % 8 == 0) return go(uint2{});
@@ -99,10 +102,11 @@ __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int6
 // position j) = (i / n, i % n), one team of `team` threads per item. One table at a time in
 // index order, so the reads of a host table stay within that table's span (on the H100, three
 // 2 GiB tables read side by side ran at 29 GB/s, one table per call at 31 GB/s:
-// bench/duplex.py). Nothing runs when the validation found a bad index (write nothing).
+// bench/duplex.py). With row_major, (i % count, i / count): the parts of a wide row together.
+// Nothing runs when the validation found a bad index (write nothing).
 template <typename Item>
-__device__ __forceinline__ void for_each_item(int count, int64_t n, int team_log2,
-                                              const int64_t* __restrict__ status,
+__device__ __forceinline__ void for_each_item(int count, bool row_major, int64_t n,
+                                              int team_log2, const int64_t* __restrict__ status,
                                               const Item& item) {
   if (status[0] != 0) return;
   const int lane = threadIdx.x & ((1 << team_log2) - 1);
@@ -111,25 +115,57 @@ __device__ __forceinline__ void for_each_item(int count, int64_t n, int team_log
   const int64_t items = n * count;
   for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
        i += stride) {
-    const int k = count == 1 ? 0 : static_cast<int>(i / n);  // no division for one table
-    item(k, i - k * n, lane, 1 << team_log2);
+    if (count == 1) {  // no division for one table
+      item(0, i, lane, 1 << team_log2);
+    } else if (row_major) {
+      const int64_t j = i / count;
+      item(static_cast<int>(i - j * count), j, lane, 1 << team_log2);
+    } else {
+      const int k = static_cast<int>(i / n);
+      item(k, i - k * n, lane, 1 << team_log2);
+    }
+  }
+}
+
+// Copies a row's `row_vecs` vectors, a team's lanes striding over them: up to kInFlight loads
+// per lane are issued before their stores, so a lane keeps several PCIe reads of a host row in
+// flight instead of one (the compiler cannot reorder a load past a store that may alias it).
+// That lets fewer SMs reach the same rate, leaving the others to kernels running beside it.
+constexpr int kInFlight = 4;
+
+template <typename V, typename Store>
+__device__ __forceinline__ void copy_row(const V* __restrict__ from, int64_t row_vecs, int lane,
+                                         int team, const Store& store) {
+  for (int64_t c0 = lane; c0 < row_vecs; c0 += int64_t{team} * kInFlight) {
+    V v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t c = c0 + int64_t{u} * team;
+      if (c < row_vecs) v[u] = from[c];
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t c = c0 + int64_t{u} * team;
+      if (c < row_vecs) store(c, v[u]);
+    }
   }
 }
 
 template <typename V>
-__global__ void copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
+__global__ void __launch_bounds__(kCappedThreads) copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
                                  const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
                                  bool last_of_run, const int32_t* __restrict__ winner,
                                  const int64_t* __restrict__ status) {
-  for_each_item(t.count, n, team_log2, status, [&](int k, int64_t j, int lane, int team) {
+  for_each_item(t.count, t.row_major, n, team_log2, status,
+                [&](int k, int64_t j, int lane, int team) {
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
     const int64_t d = dst_idx ? dst_idx[j] : j;
     if (winner != nullptr && winner[d] != j) return;  // a later position writes this row
     const int64_t s = src_idx ? src_idx[j] : j;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
-    const V* from = reinterpret_cast<const V*>(t.src[k]) + s * row_vecs;
-    V* to = reinterpret_cast<V*>(t.dst[k]) + d * row_vecs;
-    for (int64_t c = lane; c < row_vecs; c += team) to[c] = from[c];
+    const V* from = reinterpret_cast<const V*>(t.src[k] + s * t.src_stride[k]);
+    V* to = reinterpret_cast<V*>(t.dst[k] + d * t.dst_stride[k]);
+    copy_row(from, row_vecs, lane, team, [&](int64_t c, const V& v) { to[c] = v; });
   });
 }
 
@@ -137,19 +173,20 @@ __global__ void copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
 // order and perm[j] the output slot of each. The first position of a run reads the row (over
 // PCIe for a mapped host table) and writes it to every slot of the run.
 template <typename V>
-__global__ void gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
+__global__ void __launch_bounds__(kCappedThreads) gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
                                      const int64_t* __restrict__ perm, int64_t n, int team_log2,
                                      const int64_t* __restrict__ status) {
-  for_each_item(t.count, n, team_log2, status, [&](int k, int64_t j, int lane, int team) {
+  for_each_item(t.count, t.row_major, n, team_log2, status,
+                [&](int k, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);
     if (end < 0) return;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
-    const V* from = reinterpret_cast<const V*>(t.src[k]) + sorted[j] * row_vecs;
-    V* to = reinterpret_cast<V*>(t.dst[k]);
-    for (int64_t c = lane; c < row_vecs; c += team) {
-      const V value = from[c];
-      for (int64_t r = j; r < end; ++r) to[perm[r] * row_vecs + c] = value;
-    }
+    const V* from = reinterpret_cast<const V*>(t.src[k] + sorted[j] * t.src_stride[k]);
+    char* to = t.dst[k];
+    const int64_t stride = t.dst_stride[k];
+    copy_row(from, row_vecs, lane, team, [&](int64_t c, const V& value) {
+      for (int64_t r = j; r < end; ++r) reinterpret_cast<V*>(to + perm[r] * stride)[c] = value;
+    });
   });
 }
 
@@ -181,12 +218,12 @@ __device__ __forceinline__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) {
 }
 
 template <typename T>
-__global__ void accumulate_rows_kernel(T* __restrict__ table, const int64_t* __restrict__ sorted,
+__global__ void __launch_bounds__(kCappedThreads) accumulate_rows_kernel(T* __restrict__ table, const int64_t* __restrict__ sorted,
                                        const T* __restrict__ src,
                                        const int64_t* __restrict__ perm, int64_t n,
                                        int64_t row_elems, int team_log2,
                                        const int64_t* __restrict__ status) {
-  for_each_item(1, n, team_log2, status, [&](int, int64_t j, int lane, int team) {
+  for_each_item(1, false, n, team_log2, status, [&](int, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);  // only the first of a run works
     if (end < 0) return;
     T* to = table + sorted[j] * row_elems;

@@ -14,14 +14,30 @@ namespace speedtorch_ops::cuda {
 constexpr int kStatusWords = 4;
 
 // Up to kMaxTables tables moved by one launch with the same indices (a weight and its optimizer
-// state): table k copies rows of row_bytes[k] bytes from src[k] to dst[k]. Pointers are
-// device-visible addresses (device memory, or mapped pinned host memory).
+// state): table k copies rows of row_bytes[k] bytes from src[k] to dst[k], row r starting
+// r * src_stride[k] (dst_stride[k]) bytes from the base. Pointers are device-visible addresses
+// (device memory, or mapped pinned host memory). Work items go table by table (each table's
+// reads stay within its span), or with row_major row by row: the tables are then parts of one
+// wide host row (a weight and its state side by side), read together.
 constexpr int kMaxTables = 8;
 struct Tables {
   char* dst[kMaxTables];
   const char* src[kMaxTables];
   int64_t row_bytes[kMaxTables];
+  int64_t dst_stride[kMaxTables];
+  int64_t src_stride[kMaxTables];
   int count;
+  bool row_major;
+
+  // Table k: rows of row_bytes from src to dst, rows `stride` bytes apart (0: row_bytes).
+  void set(int k, char* to, const char* from, int64_t bytes, int64_t to_stride = 0,
+           int64_t from_stride = 0) {
+    dst[k] = to;
+    src[k] = from;
+    row_bytes[k] = bytes;
+    dst_stride[k] = to_stride > 0 ? to_stride : bytes;
+    src_stride[k] = from_stride > 0 ? from_stride : bytes;
+  }
 };
 
 // How many SMs the transfer kernels may use. sms: the device's SM count, or the cap set with

@@ -142,7 +142,36 @@ void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
   transfer(stores, batch, writeback_index, load_index, /*accumulate=*/false, device);
 }
 
+void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
+                          const at::Tensor& slots, bool load) {
+  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
+  const auto device = parts[0].device();
+  TORCH_CHECK(device.is_cuda(), "parts[0] is on ", device, " but sorted_rows or slots is on a "
+              "GPU; keep the parts and both indices on one GPU");
+  check_sorted_transfer_args(table, parts, sorted_rows, slots, device);
+  c10::cuda::CUDAGuard guard(device);
+  char* rows_base = cuda_impl::device_rows(table, "table", device);
+  const int64_t rb = row_bytes(table);
+  const int64_t pb = rb / static_cast<int64_t>(parts.size());
+  std::vector<Pair> pairs;
+  for (const auto k : c10::irange(parts.size())) {
+    pairs.push_back({rows_base + static_cast<int64_t>(k) * pb,
+                     static_cast<char*>(parts[k].mutable_data_ptr()), pb, !table.is_cuda(), rb});
+  }
+  Validation v(device);
+  auto rows = v.add(sorted_rows, table.size(0), "sorted_rows");
+  auto pos = v.add(slots, parts[0].size(0), "slots");
+  auto index = DeviceIndex::presorted(rows, pos);
+  if (load) {
+    cuda_impl::gather_pairs(pairs, index, v);
+  } else {
+    cuda_impl::scatter_pairs(pairs, index, table.size(0), table, /*accumulate=*/false, v);
+  }
+  v.raise_if_bad();
+}
+
 TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
+  m.impl("_sorted_transfer", &sorted_transfer_cuda);
   m.impl("pinned_gather", &pinned_gather_cuda);
   m.impl("pinned_gather_into", &pinned_gather_into_cuda);
   m.impl("pinned_scatter", &pinned_scatter_cuda);

@@ -65,6 +65,9 @@ struct Pair {
   char* batch;
   int64_t row_bytes;
   bool host;  // the table is mapped host memory (rows cross PCIe)
+  // Bytes between the table's rows when the pair is a part of a wider row (0: row_bytes). Such
+  // pairs are moved row by row (all parts of a row together).
+  int64_t table_stride = 0;
 };
 
 // An index on the device, sorted once (stably) when a path needs it and shared by every pair.
@@ -73,6 +76,15 @@ class DeviceIndex {
   // rows: int64 row numbers; slots (optional): the batch position of each (else 0..n-1).
   DeviceIndex(at::Tensor rows, std::optional<at::Tensor> slots)
       : rows_(std::move(rows)), slots_(std::move(slots)) {}
+  // Rows the caller sorted (ascending), with the batch position of each: no sort here.
+  static DeviceIndex presorted(const at::Tensor& sorted_rows, const at::Tensor& slots) {
+    DeviceIndex index(sorted_rows, slots);
+    index.sorted_ = sorted_rows;
+    index.sorted_slots_ = slots;
+    index.presorted_ = true;
+    return index;
+  }
+  bool presorted() const { return presorted_; }
   int64_t size() const { return rows_.numel(); }
   const at::Tensor& rows() const { return rows_; }
   const int64_t* slots() const { return slots_ ? slots_->const_data_ptr<int64_t>() : nullptr; }
@@ -85,6 +97,7 @@ class DeviceIndex {
   at::Tensor rows_;
   std::optional<at::Tensor> slots_;
   std::optional<at::Tensor> sorted_, sorted_slots_;
+  bool presorted_ = false;
 };
 
 // batch[k][slot j] = table[k][row j] for every pair, one launch per group of kMaxTables pairs.

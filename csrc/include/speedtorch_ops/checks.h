@@ -47,12 +47,21 @@ void pinned_scatter_cpu(at::Tensor& table, const at::Tensor& index, const at::Te
 void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
                               const std::optional<at::Tensor>& writeback_index,
                               const std::optional<at::Tensor>& load_index);
+void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
+                         const at::Tensor& slots, bool load);
 
 // Checks shared by both devices' optimizer_state_swap: pairs, shapes, dtypes, aliasing.
 void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const std::optional<at::Tensor>& writeback_index,
                      const std::optional<at::Tensor>& load_index,
                      const c10::Device& batch_device);
+
+// Checks shared by both devices' _sorted_transfer: table (rows, len(parts), ...), parts (each
+// (n, ...) like a part of the table's rows, contiguous, on `device`), the two indices (n
+// each), no aliasing.
+void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
+                                const at::Tensor& sorted_rows, const at::Tensor& slots,
+                                const c10::Device& device);
 
 // Whether CUDA calls on this thread wait for their index validation to raise (default true).
 bool set_index_wait(bool enabled);
