@@ -25,12 +25,12 @@ from torch import Tensor, nn
 
 import speedtorch_ops as so
 
-OPTIMIZERS = {
-    "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
-    "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr),
-    "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr * 10),
-    "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr / 5),
-    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr * 100, momentum=0.9),
+OPTIMIZERS = {  # name -> (params, lr, fused) -> optimizer
+    "adam": lambda p, lr, fused: torch.optim.Adam(p, lr=lr, fused=fused),
+    "adamw": lambda p, lr, fused: torch.optim.AdamW(p, lr=lr, fused=fused),
+    "adagrad": lambda p, lr, fused: torch.optim.Adagrad(p, lr=lr * 10, fused=fused),
+    "rmsprop": lambda p, lr, fused: torch.optim.RMSprop(p, lr=lr / 5),  # no fused version
+    "sgd": lambda p, lr, fused: torch.optim.SGD(p, lr=lr * 100, momentum=0.9, fused=fused),
 }
 
 
@@ -139,7 +139,7 @@ class SwitcherTraining:
     def __init__(self, a, device):
         B, N = a.batch, a.negatives
         self.model = SkipGram(B, B * (1 + N), a.dim).to(device)
-        self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr)
+        self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr, a.fused or None)
         self.u_sw = so.ModelFactory(self.model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
         self.v_sw = so.ModelFactory(self.model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
         self.u_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
@@ -202,42 +202,61 @@ class SwitcherTraining:
                 *self.v_opt.CUPYcorpi]
 
 
+def timed_steps(a, device, step) -> float:
+    """Runs step(i) for i in range(a.steps) and returns the seconds of the steps after the
+    first `warmup_steps(a)` (first calls allocate, load kernels and fill caches); the clock
+    starts and stops with the device idle."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = None
+    for i in progress(range(a.steps), a.steps):
+        if i == warmup_steps(a):
+            sync()
+            start = time.perf_counter()
+        step(i)
+    sync()
+    return time.perf_counter() - start
+
+
+def warmup_steps(a) -> int:
+    return min(10, a.steps // 10)
+
+
 def train_switchers(a, corpus, device):
     run = SwitcherTraining(a, device)
     losses = []
     next_batch = batch_source(a, corpus)
-    start = time.perf_counter()
-    batch = next_batch(0)
-    for step in progress(range(a.steps), a.steps):
-        following = next_batch(step + 1) if step + 1 < a.steps else None
-        loss = run.step(batch, following)
-        batch = following
-        if step % max(1, a.steps // 20) == 0 or step == a.steps - 1:
-            losses.append(float(loss))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    batches = {0: next_batch(0)}
+
+    def step(i):
+        following = next_batch(i + 1) if i + 1 < a.steps else None
+        loss = run.step(batches.pop(i), following)
+        batches[i + 1] = following
+        if i % max(1, a.steps // 20) == 0 or i == a.steps - 1:
+            losses.append(loss)  # read after the run: a read here would wait for the GPU
+
+    seconds = timed_steps(a, device, step)
     B, N = a.batch, a.negatives
     rows_per_step = 2 * (B + B * (1 + N)) * (1 + len(run.u_opt.optVarList))  # loaded + written
-    return dict(seconds=seconds, losses=losses, rows_per_step=rows_per_step,
+    return dict(seconds=seconds, losses=[float(x) for x in losses], rows_per_step=rows_per_step,
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.u_sw.CUPYcorpus)
 
 
 def train_all_on_gpu(a, corpus, device):
     """Plain PyTorch baseline: the full tables on the GPU, sparse gradients, SparseAdam (the same
-    lazy semantics as the switchers with Adam)."""
+    lazy semantics as the switchers with Adam). Timed like the switchers (timed_steps)."""
     model = SkipGram(a.vocab, a.vocab, a.dim, sparse=True).to(device)
     optimizer = torch.optim.SparseAdam(model.parameters(), lr=a.lr)
     next_batch = batch_source(a, corpus)
-    start = time.perf_counter()
-    for step in range(a.steps):
-        labels, ctx, negs = next_batch(step)
-        ids = [torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in (labels, ctx, negs)]
+
+    def step(i):
+        ids = [torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+               for x in next_batch(i)]
         optimizer.zero_grad(set_to_none=True)
         model(*ids).backward()
         optimizer.step()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+
+    return timed_steps(a, device, step)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,6 +270,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--fused", action="store_true",
+                   help="torch's fused optimizer kernels (fused=True; not for rmsprop)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-budget-mb", type=float, default=None,
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
@@ -263,9 +284,11 @@ def parser() -> argparse.ArgumentParser:
                         "(speedtorch_ops.colocate); prefetch: colocated, and the next batch's "
                         "rows load while the current one trains; auto: colocated on a GPU, "
                         "plain on the CPU (bench/RESULTS.md has the measurements)")
-    p.add_argument("--transfer-sms", type=int, default=0,
-                   help="SMs the transfer kernels may use (0: all), so that prefetches leave "
-                        "room for the training kernels")
+    p.add_argument("--transfer-sms", type=int, default=16,
+                   help="SMs the transfer kernels may use (0: all). Capped, the loads and "
+                        "write-backs of the two tables run beside each other and beside the "
+                        "training kernels; on the H100, 16 SMs move rows as fast as all 132 "
+                        "(bench/probes/overlap.py) and the demo steps faster")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     return p
@@ -294,20 +317,21 @@ def main(argv=None) -> None:
     r = train_switchers(a, corpus, device)
     quality = neighbour_precision(r["table"], corpus.cluster)
     chance = (a.cluster_size - 1) / (a.vocab - 1)
-    steps_per_s = a.steps / r["seconds"]
+    timed = a.steps - warmup_steps(a)
+    steps_per_s = timed / r["seconds"]
     print(f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
-    print(f"steps/s {steps_per_s:,.1f}; rows moved {r['rows_per_step'] * steps_per_s / 1e6:,.2f} M/s "
+    print(f"steps/s {steps_per_s:,.1f} (the {timed} steps after {a.steps - timed} warm-up steps); "
+          f"rows moved {r['rows_per_step'] * steps_per_s / 1e6:,.2f} M/s "
           f"(weights and optimizer state, loaded and written back)")
     print(f"host tables {r['host_table_bytes'] / 2**20:,.0f} MiB; process peak RSS "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB"
+          f"{r['peak_rss'] / 2**20:,.0f} MiB (set-up and training)"
           + (f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB"
              if device.type == "cuda" else ""))
     print(f"quality: nearest-neighbour precision@5 {quality:.3f} (chance {chance:.4f})")
     if a.baseline and device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.reset_peak_memory_stats(device)
-        seconds = train_all_on_gpu(a, corpus, device)
-        base = a.steps / seconds
+        base = timed / train_all_on_gpu(a, corpus, device)
         print(f"baseline, whole tables on the GPU (SparseAdam): steps/s {base:,.1f}, GPU peak "
               f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; switchers / baseline "
               f"= {steps_per_s / base:.2f}")

@@ -203,8 +203,9 @@ def test_sgd_equals_full_table_training(device, store, duplicates, gen):
 
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("opt_name", ["Adam", "AdamW", "Adagrad", "RMSprop", "SGD-momentum",
-                                      "Adamax", "Adadelta", "ASGD", "Rprop", "SparseAdam"])
+@pytest.mark.parametrize("opt_name", ["Adam", "Adam-fused", "AdamW", "Adagrad", "RMSprop",
+                                      "SGD-momentum", "Adamax", "Adadelta", "ASGD", "Rprop",
+                                      "SparseAdam"])
 def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt_name, gen):
     data = batches(4, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
