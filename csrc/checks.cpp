@@ -157,7 +157,8 @@ void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
     check_no_overlap(parts[k], name.c_str(), sorted_rows, "sorted_rows");
     check_no_overlap(parts[k], name.c_str(), slots, "slots");
     for (const auto j : c10::irange(k)) {
-      check_no_overlap(parts[k], name.c_str(), parts[j], ("parts[" + std::to_string(j) + "]").c_str());
+      const auto other = "parts[" + std::to_string(j) + "]";
+      check_no_overlap(parts[k], name.c_str(), parts[j], other.c_str());
     }
   }
   check_no_overlap(table, "table", sorted_rows, "sorted_rows");

@@ -152,10 +152,11 @@ __device__ __forceinline__ void copy_row(const V* __restrict__ from, int64_t row
 }
 
 template <typename V>
-__global__ void __launch_bounds__(kCappedThreads) copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
-                                 const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
-                                 bool last_of_run, const int32_t* __restrict__ winner,
-                                 const int64_t* __restrict__ status) {
+__global__ void __launch_bounds__(kCappedThreads)
+    copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
+                     const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
+                     bool last_of_run, const int32_t* __restrict__ winner,
+                     const int64_t* __restrict__ status) {
   for_each_item(t.count, t.row_major, n, team_log2, status,
                 [&](int k, int64_t j, int lane, int team) {
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
@@ -173,9 +174,10 @@ __global__ void __launch_bounds__(kCappedThreads) copy_rows_kernel(Tables t, con
 // order and perm[j] the output slot of each. The first position of a run reads the row (over
 // PCIe for a mapped host table) and writes it to every slot of the run.
 template <typename V>
-__global__ void __launch_bounds__(kCappedThreads) gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
-                                     const int64_t* __restrict__ perm, int64_t n, int team_log2,
-                                     const int64_t* __restrict__ status) {
+__global__ void __launch_bounds__(kCappedThreads)
+    gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
+                         const int64_t* __restrict__ perm, int64_t n, int team_log2,
+                         const int64_t* __restrict__ status) {
   for_each_item(t.count, t.row_major, n, team_log2, status,
                 [&](int k, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);
@@ -218,11 +220,11 @@ __device__ __forceinline__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kCappedThreads) accumulate_rows_kernel(T* __restrict__ table, const int64_t* __restrict__ sorted,
-                                       const T* __restrict__ src,
-                                       const int64_t* __restrict__ perm, int64_t n,
-                                       int64_t row_elems, int team_log2,
-                                       const int64_t* __restrict__ status) {
+__global__ void __launch_bounds__(kCappedThreads)
+    accumulate_rows_kernel(T* __restrict__ table, const int64_t* __restrict__ sorted,
+                           const T* __restrict__ src, const int64_t* __restrict__ perm, int64_t n,
+                           int64_t row_elems, int team_log2,
+                           const int64_t* __restrict__ status) {
   for_each_item(1, false, n, team_log2, status, [&](int, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);  // only the first of a run works
     if (end < 0) return;
