@@ -60,15 +60,27 @@ def main() -> None:
 
     gather = lambda: so.pinned_gather_into(table, load, out)  # noqa: E731
     scatter = lambda: so.pinned_scatter(table, wb, src)  # noqa: E731
+    # The colocated path: the same rows split into weight/state parts (_sorted_transfer).
+    by_load, by_wb = torch.sort(load, stable=True), torch.sort(wb)  # wb is unique: owners = perm
+    parts = [torch.empty(n, rows.dim, device=device) for _ in range(rows.width)]
+    wb_parts = [p.contiguous() for p in src.view(n, rows.width, rows.dim).unbind(1)]
+    part_load = lambda: so.ops._sorted_transfer(rows.host, parts, *by_load, load=True)  # noqa
+    part_wb = lambda: so.ops._sorted_transfer(rows.host, wb_parts, *by_wb, load=False)  # noqa
+    part_load()
+    assert all(torch.equal(p, out.view(n, rows.width, rows.dim)[:, k])
+               for k, p in enumerate(parts))
     compute_ms = timed(run.compute, 30)
     print(f"v table {tuple(table.shape)} pinned, {n:,} rows = {mb:.1f} MB per transfer; "
           f"compute alone {compute_ms:.3f} ms")
-    print("cap (SMs) | gather ms (GB/s) | scatter ms | gather + compute | scatter + compute")
+    print("cap (SMs) | gather ms (GB/s) | scatter ms | parts load | parts write-back | "
+          "gather + compute | scatter + compute")
     for cap in a.caps:
         with so.transfer_sm_limit(cap):
             g, s = timed(gather, 20), timed(scatter, 20)
+            pl, pw = timed(part_load, 20), timed(part_wb, 20)
             gc, sc = timed(both(gather), 20), timed(both(scatter), 20)
-        print(f"{cap or 'all':>9} | {g:.3f} ({mb / g:.1f}) | {s:.3f} | {gc:.3f} | {sc:.3f}")
+        print(f"{cap or 'all':>9} | {g:.3f} ({mb / g:.1f}) | {s:.3f} | {pl:.3f} | {pw:.3f} | "
+              f"{gc:.3f} | {sc:.3f}")
     sys.stdout.flush()
 
     def step(i):
