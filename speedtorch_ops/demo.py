@@ -271,7 +271,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--fused", action="store_true",
-                   help="torch's fused optimizer kernels (fused=True; not for rmsprop)")
+                   help="torch's fused optimizer kernels (fused=True): adam, adamw, sgd; "
+                        "adagrad on the CPU only (torch has no fused rmsprop)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-budget-mb", type=float, default=None,
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
@@ -295,7 +296,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be at least 1")
+    if a.fused and a.optimizer == "rmsprop":
+        p.error("--fused: torch has no fused RMSprop")
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

@@ -82,6 +82,7 @@ def test_bad_input_names_the_argument_and_writes_nothing(store, gen):
                            r"parts\[0\] must have shape"),
                           (([parts[0], parts[1].double()], sorted_ids, perm),
                            r"parts\[1\] must have the table's dtype"),
+                          (([], sorted_ids, perm), "parts must hold at least one tensor"),
                           (([parts[0], parts[0]], sorted_ids, perm),
                            r"parts\[1\] and parts\[0\] share memory")):
         for load in (True, False):
