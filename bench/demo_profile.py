@@ -15,7 +15,6 @@ from torch.profiler import ProfilerActivity, profile
 from speedtorch_ops import demo
 
 
-
 def main() -> None:
     p = demo.parser()
     p.add_argument("--warmup", type=int, default=20)
@@ -23,8 +22,6 @@ def main() -> None:
     p.add_argument("--no-profiler", action="store_true")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    if a.transfer_sms:
-        torch.ops.speedtorch_ops._set_transfer_sm_limit(a.transfer_sms)
     corpus = demo.Corpus(a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(16)]
     run = demo.SwitcherTraining(a, device)

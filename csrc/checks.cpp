@@ -132,13 +132,13 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
   }
 }
 
-void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
-                                const at::Tensor& sorted_rows, const at::Tensor& slots,
-                                const c10::Device& device) {
+c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
+                                       const at::Tensor& sorted_rows, const at::Tensor& slots) {
+  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
+  const auto device = parts[0].device();
   check_table(table, "table");
   check_index(sorted_rows, "sorted_rows");
   check_index(slots, "slots");
-  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
   TORCH_CHECK(table.dim() >= 2 && table.size(1) == static_cast<int64_t>(parts.size()),
               "table must have shape (rows, len(parts), ...) = (rows, ", parts.size(),
               ", ...), got ", table.sizes());
@@ -163,6 +163,7 @@ void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
   }
   check_no_overlap(table, "table", sorted_rows, "sorted_rows");
   check_no_overlap(table, "table", slots, "slots");
+  return device;
 }
 
 }  // namespace speedtorch_ops

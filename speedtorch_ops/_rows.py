@@ -111,7 +111,10 @@ class SharedRows:
                 self.host[:, 1 + k].fill_(of._fills[key])
         if states is not None:
             setattr(of, of._attr, [self.column(1 + k) for k in range(len(keys))])
-        self.flat = self.host.view(shape[0], self.width * self.dim)  # whole rows: what moves
+        self.flat = self.host.view(shape[0], self.width * self.dim)  # whole rows
+        # A pageable table with rows on a GPU moves through CPU threads (the public ops' hybrid
+        # path, whole rows); every other store through _sorted_transfer.
+        self._through_cpu = sw.hybrid(self.flat, self.device)
         self.model_factory, self.optimizer_factory = mf, of
         self._pool: list = []
         mf._rows = self
@@ -156,9 +159,9 @@ class SharedRows:
 
     def _sorted_ids(self, plan: sw.Plan):
         """The plan's sorted ids and slots, for _sorted_transfer, or None where the rows move
-        through CPU threads (a pageable table with rows on a GPU: the public ops' hybrid
-        path). Sorted on the current stream: call before entering the transfer stream."""
-        return None if sw.hybrid(self.flat, self.device) else plan.sorted
+        through CPU threads. Sorted on the current stream: call before entering the transfer
+        stream."""
+        return None if self._through_cpu else plan.sorted
 
     def _gather(self, batch: _Batch, by_sort) -> None:
         """Load the batch's rows: each distinct row read once, whole, in address order."""

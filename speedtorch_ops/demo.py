@@ -146,6 +146,8 @@ class SwitcherTraining:
                                          "u_embeddings", CPUPinn=True)
         self.v_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
                                          "v_embeddings", CPUPinn=True)
+        if device.type == "cuda" and a.transfer_sms:
+            so.set_transfer_sm_limit(a.transfer_sms)  # process-wide
         switching = resolve_switching(a.switching, device)
         self.prefetching = switching == "prefetch"
         if switching != "plain":  # before the init methods: they fill the shared tables
@@ -207,9 +209,9 @@ def timed_steps(a, device, step) -> float:
     first `warmup_steps(a)` (first calls allocate, load kernels and fill caches); the clock
     starts and stops with the device idle."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    start = None
+    warmup, start = warmup_steps(a), None
     for i in progress(range(a.steps), a.steps):
-        if i == warmup_steps(a):
+        if i == warmup:
             sync()
             start = time.perf_counter()
         step(i)
@@ -225,12 +227,12 @@ def train_switchers(a, corpus, device):
     run = SwitcherTraining(a, device)
     losses = []
     next_batch = batch_source(a, corpus)
-    batches = {0: next_batch(0)}
+    batch = [next_batch(0)]  # this step's
 
     def step(i):
         following = next_batch(i + 1) if i + 1 < a.steps else None
-        loss = run.step(batches.pop(i), following)
-        batches[i + 1] = following
+        loss = run.step(batch[0], following)
+        batch[0] = following
         if i % max(1, a.steps // 20) == 0 or i == a.steps - 1:
             losses.append(loss)  # read after the run: a read here would wait for the GPU
 
@@ -306,8 +308,6 @@ def main(argv=None) -> None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    if a.transfer_sms and device.type == "cuda":
-        so.set_transfer_sm_limit(a.transfer_sms)
 
     corpus = Corpus(a.vocab, a.cluster_size, a.tokens)
     table_mb = a.vocab * a.dim * 4 / 2**20

@@ -15,8 +15,7 @@ namespace speedtorch_ops {
 
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
                          const at::Tensor& slots, bool load) {
-  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
-  check_sorted_transfer_args(table, parts, sorted_rows, slots, parts[0].device());
+  check_sorted_transfer_args(table, parts, sorted_rows, slots);
   const auto rows = sorted_rows.to(at::kLong).contiguous();
   const auto pos = slots.to(at::kLong).contiguous();
   check_index_values(rows, table.size(0), "sorted_rows");

@@ -144,11 +144,9 @@ void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
 
 void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
                           const at::Tensor& slots, bool load) {
-  TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
-  const auto device = parts[0].device();
-  TORCH_CHECK(device.is_cuda(), "parts[0] is on ", device, " but sorted_rows or slots is on a "
-              "GPU; keep the parts and both indices on one GPU");
-  check_sorted_transfer_args(table, parts, sorted_rows, slots, device);
+  const auto device = check_sorted_transfer_args(table, parts, sorted_rows, slots);
+  TORCH_CHECK(device.is_cuda(), "parts are on ", device, " but table is on the GPU; put the "
+              "parts and both indices on the table's GPU");
   c10::cuda::CUDAGuard guard(device);
   char* rows_base = cuda_impl::device_rows(table, "table", device);
   const int64_t rb = row_bytes(table);

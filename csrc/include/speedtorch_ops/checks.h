@@ -56,12 +56,11 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const std::optional<at::Tensor>& load_index,
                      const c10::Device& batch_device);
 
-// Checks shared by both devices' _sorted_transfer: table (rows, len(parts), ...), parts (each
-// (n, ...) like a part of the table's rows, contiguous, on `device`), the two indices (n
-// each), no aliasing.
-void check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
-                                const at::Tensor& sorted_rows, const at::Tensor& slots,
-                                const c10::Device& device);
+// Checks shared by both devices' _sorted_transfer: table (rows, len(parts), ...), parts (at
+// least one, each (n, ...) like a part of the table's rows, contiguous, all on one device), the
+// two indices (n each, on the parts' device), no aliasing. Returns the parts' device.
+c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
+                                       const at::Tensor& sorted_rows, const at::Tensor& slots);
 
 // Whether CUDA calls on this thread wait for their index validation to raise (default true).
 bool set_index_wait(bool enabled);
