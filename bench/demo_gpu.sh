@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo on the GPU machine: tables bigger than a GPU-memory budget train from pinned host
 # memory, and the same training with the whole tables on the GPU in plain PyTorch is timed.
-# Run after bench/gpu_check.sh (which builds the extension). Output: $OUT/demo_gpu.log
+# Run after scripts/gpu_check.sh (which builds the extension). Output: $OUT/demo_gpu.log
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole speed benchmark in one command. On the GPU machine (after bench/gpu_check.sh built the
+# The whole speed benchmark in one command. On the GPU machine (after scripts/gpu_check.sh built the
 # extension): the SpeedTorch README table with 16 and 2 CPU threads, the sweeps (row bytes, table
 # span up to 24 GiB, batch size, index order, dtype, the Adam state swap, GPU-resident tables),
 # and the CPU-only comparison. On a machine without a GPU: the CPU-only comparison.

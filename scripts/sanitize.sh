@@ -27,5 +27,5 @@ cd "$scratch"
 ldd speedtorch_ops/_C*.so | grep -q libasan || { echo "the scratch build is not instrumented"; exit 1; }
 LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
   PYTHONMALLOC=malloc "$PY" -m pytest -q -x -p no:cacheprovider \
-  tests/test_pinned_gather.py tests/test_pinned_scatter.py tests/test_optimizer_state_swap.py \
-  tests/test_bad_input.py tests/test_properties.py
+  tests/ops/test_pinned_gather.py tests/ops/test_pinned_scatter.py tests/ops/test_optimizer_state_swap.py \
+  tests/ops/test_bad_input.py tests/ops/test_properties.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every test: set-up from nothing (scripts/setup.sh), then pytest and the Catch2 C++ tests.
-# On a machine without a GPU the CUDA tests skip; bench/gpu_check.sh runs them on a GPU machine.
+# On a machine without a GPU the CUDA tests skip; scripts/gpu_check.sh runs them on a GPU machine.
 source "$(dirname "$0")/setup.sh"
 
 echo "== C++ tests (Catch2 against LibTorch)"

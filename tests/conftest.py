@@ -2,7 +2,7 @@
 
 Stores: "cpu" (CPU table, CPU index), "pinned" (pinned host table, CUDA index: the zero-copy
 path) and "cuda" (device table, CUDA index). The last two skip without a GPU and run on the GPU
-machine (bench/gpu_check.sh)."""
+machine (scripts/gpu_check.sh)."""
 
 import secrets
 
@@ -22,7 +22,7 @@ ROW_SHAPES = [(), (1,), (3,), (5,), (16,), (33,), (128,), (2, 3)]
 
 def needs_cuda(store: str) -> None:
     if store != "cpu" and not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU (run bench/gpu_check.sh on the GPU machine)")
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
 
 
 def index_device(store: str) -> torch.device:

@@ -37,7 +37,7 @@ def opcheck(op, args, store):
     """opcheck with every default test util, except test_aot_dispatch_dynamic on a pinned store:
     it always runs the op on torch.clone() copies of the arguments (pageable, and full-size
     copies of the table). The cpu and cuda stores run it for the same op; torch.compile of the
-    pinned store is covered in tests/test_compile.py."""
+    pinned store is covered in tests/ops/test_compile.py."""
     if store != "pinned":
         torch.library.opcheck(op, args)
         return

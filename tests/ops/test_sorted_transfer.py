@@ -104,7 +104,7 @@ def test_unsorted_rows_refused_on_the_cpu(gen):
 
 def test_pageable_table_refused_with_a_gpu_batch(gen):
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run bench/gpu_check.sh on the GPU machine)")
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
     table = random_rows((20, 1, 4), torch.float32, gen)
     rows, slots = _sorted(torch.randint(0, 20, (5,), generator=gen).cuda())
     with pytest.raises(RuntimeError, match="table is in pageable host memory"):

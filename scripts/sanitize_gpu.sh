@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # compute-sanitizer (memcheck, racecheck, synccheck) over the CUDA tests of the ops, on the GPU
-# machine, after bench/gpu_check.sh built the extension. Logs: $OUT/sanitizer_<tool>.log
+# machine, after scripts/gpu_check.sh built the extension. Logs: $OUT/sanitizer_<tool>.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-SEL=${SEL:-"tests/test_pinned_gather.py tests/test_pinned_scatter.py tests/test_optimizer_state_swap.py tests/test_bad_input.py"}
+SEL=${SEL:-"tests/ops/test_pinned_gather.py tests/ops/test_pinned_scatter.py tests/ops/test_optimizer_state_swap.py tests/ops/test_bad_input.py"}
 status=0
 for tool in ${TOOLS:-memcheck racecheck synccheck}; do
   # racecheck and synccheck are slow: the dtype-parametrized tests with one store each.

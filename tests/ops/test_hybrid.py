@@ -1,7 +1,7 @@
 """The hybrid path: a CPU index with a host table and rows on the GPU. CPU threads (through pinned
 staging and DMA copies) and the zero-copy kernels each move a share of the rows, split by a hash
 of the row. Every test runs with fixed shares (all CPU, a mix, all zero-copy) and the automatic
-split, against plain PyTorch indexing. GPU only: run by bench/gpu_check.sh on the GPU machine."""
+split, against plain PyTorch indexing. GPU only: run by scripts/gpu_check.sh on the GPU machine."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch
 import speedtorch_ops
 from conftest import HAS_CUDA, last_wins_reference, random_rows, sequential_add_reference
 
-pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (bench/gpu_check.sh)")
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (scripts/gpu_check.sh)")
 
 SHARES = [0.0, 0.37, 1.0, None]  # None: the automatic split
 _ops = torch.ops.speedtorch_ops

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds speedtorch_ops from source on a CUDA machine and runs every test there (the CUDA tests
 # and opcheck skip on machines without a GPU). Logs go to $OUT (default bench/out).
-#   bash bench/gpu_check.sh            # on the GPU machine, with its own python3 + torch
-#   bash bench/gpu_check.sh tests/x.py # only these tests (pytest arguments)
+#   bash scripts/gpu_check.sh            # on the GPU machine, with its own python3 + torch
+#   bash scripts/gpu_check.sh tests/x.py # only these tests (pytest arguments)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
