@@ -12,19 +12,19 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from speedtorch_ops import demo
+from speedtorch_ops.demo import cli, corpus as demo_corpus, train as demo_train
 
 
 def main() -> None:
-    p = demo.parser()
+    p = cli.parser()
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--measure", type=int, default=50)
     p.add_argument("--no-profiler", action="store_true")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    corpus = demo.Corpus(a.vocab, a.cluster_size, a.tokens)
+    corpus = demo_corpus.Corpus(a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(16)]
-    run = demo.SwitcherTraining(a, device)
+    run = demo_train.SwitcherTraining(a, device)
     # Each call gets the step number; a prefetch queues the next step's rows.
     calls = {"load": lambda i: run.load(*batches[i % len(batches)]),
              "prefetch": lambda i: run.prefetch(*batches[(i + 1) % len(batches)]),

@@ -1,7 +1,9 @@
 """speedtorch_ops: zero-copy indexed row transfers between pinned host memory and the GPU.
 
-The ops live in ``torch.ops.speedtorch_ops``; this package holds their typed wrappers and fakes
-(``ops``) and the pinned-memory helpers (``memory``).
+Layers, data flowing down: the SpeedTorch-compatible classes (``compat``) -> row stores and a
+step's plan (``training``) -> typed wrappers, fakes and autograd (``ops``) ->
+``torch.ops.speedtorch_ops`` (the C++/CUDA kernels). ``memory`` holds the pinned-memory helpers,
+``demo`` the main job (``python -m speedtorch_ops.demo``).
 """
 
 import torch
@@ -18,12 +20,11 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
-from .factories import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
-                        CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
-                        GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
-                        ModelFactoryMM, OptimizerFactory, OptimizerFactoryMM, PytorchCOM,
-                        PytorchModelFactory, PytorchOptimizerFactory)
-from ._rows import colocate
+from .compat import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
+                     CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
+                     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                     ModelFactoryMM, OptimizerFactory, OptimizerFactoryMM, PytorchCOM,
+                     PytorchModelFactory, PytorchOptimizerFactory, colocate)
 
 __all__ = [
     "pinned_gather",

@@ -3,7 +3,7 @@
 Same class names, constructor signatures (positional order and defaults), method names and the
 attribute names users touch. What is fixed on purpose (see the README's porting guide): modern
 optimizers work, the optimizer's parameter is found by identity, duplicate ids lose no update
-(the rule is in ``_switch``), indices are bounds-checked, transfers are ordered on the current
+(the rule is in ``training.plan``), indices are bounds-checked, transfers are ordered on the current
 stream with no device-wide synchronization, optimizer state can be saved and loaded, loads check
 shape and dtype, MM classes are backed by a memory-mapped ``.npy`` file, ``getNumpyVersion``
 always returns NumPy, and every class has ``state_dict()`` / ``load_state_dict()``.
@@ -17,42 +17,83 @@ always goes to the device of the model's weight, wherever the store lives.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import _switch as sw
-from .memory import load_npy
+from ..memory import load_npy, pin_
+from ..training import optim_state
+from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
+                                  next_free_name, resolve_dtype)
+from ..training.plan import Plan, reshaped_retrieval, sum_into_owners
+from ..training.stores import RowStore, SeparateTables
+
+
+def _public_tables(self):
+    """The table attribute users touch (``CUPYcorpus``, ``CUPYcorpi``, ``pytorchGPUVar``, ...):
+    the store's table(s), read through the store so they stay right when ``colocate`` swaps it."""
+    return self._public()
+
+
+def _assign_tables(self, value) -> None:
+    self._adopt(value)
 
 
 class _TableMethods:
-    """Save, load, inspect and checkpoint the table(s) held in attribute ``_attr``."""
+    """Save, load, inspect and checkpoint the table(s) of a class, held by its row store and
+    shown as the attribute named by ``_attr`` (a single table, or a list for optimizer state)."""
 
     _attr = "CUPYcorpus"
-    _rows = None  # the SharedRows of colocated factories (speedtorch_ops.colocate)
+    _listed = False  # the attribute is a list of tables (one per optimizer-state tensor)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(getattr(cls, cls._attr, None), property):
+            setattr(cls, cls._attr, property(_public_tables, _assign_tables))
+
+    _store: Optional[RowStore] = None
+    _parts: List[int] = []  # the parts of the store that are this object's tables
+
+    def _use_store(self, store: RowStore, parts: List[int]) -> None:
+        self._store, self._parts = store, list(parts)
+
+    def _store_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _adopt(self, value) -> None:
+        """Tables given by the user (or an init method) become a store of separate tables."""
+        tables = list(value) if isinstance(value, (list, tuple)) else [value]
+        self._use_store(SeparateTables(tables, self._store_device(), self._batch_dtype()),
+                        list(range(len(tables))))
+
+    def _batch_dtype(self) -> Optional[torch.dtype]:
+        return None
+
+    def _public(self):
+        if self._store is None:
+            return None
+        tables = self._store.tables()
+        mine = [tables[k] for k in self._parts]
+        return mine if self._listed else mine[0]
 
     def _settle(self, writing: bool = False) -> None:
-        """Colocated factories move rows on a transfer stream: wait for it before the host
-        reads or writes the tables."""
-        if self._rows is not None:
-            self._rows.settle(writing)
+        """Wait for the store's own transfers before the host reads (or writes) the tables."""
+        if self._store is not None:
+            self._store.settle(writing)
 
     def _tables(self) -> list:
-        value = getattr(self, self._attr, None)
-        if value is None:
+        if self._store is None:
             raise RuntimeError(f"{type(self).__name__} has no table yet: call an init method "
                                "(e.g. zerosInit(), optInit(), comInit(), gadgetInit()) first")
-        return value if isinstance(value, list) else [value]
-
-    def _is_list(self) -> bool:
-        return isinstance(getattr(self, self._attr, None), list)
+        tables = self._store.tables()
+        return [tables[k] for k in self._parts]
 
     def _stacked(self) -> np.ndarray:
         self._settle()
         tables = [t.detach().cpu().numpy() for t in self._tables()]
-        return np.stack(tables) if self._is_list() else tables[0]
+        return np.stack(tables) if self._listed else tables[0]
 
     def getNumpyVersion(self) -> np.ndarray:
         """A NumPy copy of the table (of the stacked state tables for optimizer factories)."""
@@ -68,8 +109,8 @@ class _TableMethods:
 
     def saveTorch(self, saveFileName: str) -> None:
         self._settle()
-        value = getattr(self, self._attr)
-        torch.save(value if not isinstance(value, list) else list(value), saveFileName)
+        tables = self._tables()
+        torch.save(list(tables) if self._listed else tables[0], saveFileName)
 
     def loadTorch(self, loadFileName: str) -> None:
         loaded = torch.load(loadFileName, map_location="cpu")
@@ -78,9 +119,9 @@ class _TableMethods:
     def _load_into(self, loaded: Tensor, name: str) -> None:
         self._settle(writing=True)
         tables = self._tables()
-        shape = (len(tables), *tables[0].shape) if self._is_list() else tuple(tables[0].shape)
-        sw.check_loaded(name, loaded, shape, tables[0].dtype)
-        for table, part in zip(tables, loaded if self._is_list() else [loaded]):
+        shape = (len(tables), *tables[0].shape) if self._listed else tuple(tables[0].shape)
+        check_loaded(name, loaded, shape, tables[0].dtype)
+        for table, part in zip(tables, loaded if self._listed else [loaded]):
             table.copy_(part)
 
     def getCupyVar(self):
@@ -101,13 +142,21 @@ class _TableMethods:
         if len(loaded) != len(tables):
             raise ValueError(f"checkpoint has {len(loaded)} tables, this store {len(tables)}")
         for i, (table, value) in enumerate(zip(tables, loaded)):
-            sw.check_loaded(f"tables[{i}]", value, table.shape, table.dtype)
+            check_loaded(f"tables[{i}]", value, table.shape, table.dtype)
         for table, value in zip(tables, loaded):
             table.copy_(value)
 
 
-class _Prefetching:
-    """``prefetch`` of the model and optimizer factories."""
+class _Switcher(_TableMethods):
+    """What the model and optimizer factories share: a batch's plan from the store, and
+    ``prefetch``."""
+
+    _plan: Optional[Plan] = None
+
+    def _plan_for(self, pos, neg) -> Plan:
+        if self._store is None:
+            self._tables()  # raises: no table yet
+        return self._store.plan_for(reshaped_retrieval(pos, neg))
 
     def prefetch(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """(Not in SpeedTorch 0.1.6.) Start loading the rows of the next batch on a transfer
@@ -115,14 +164,12 @@ class _Prefetching:
         them. Call it right after beforeForwardPass. Colocated factories only
         (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
         updated rows on the device, so training is the same as without prefetch."""
-        if self._rows is None:
-            raise RuntimeError(f"{type(self).__name__}.prefetch needs colocated factories: call "
-                               "speedtorch_ops.colocate(model_factory, optimizer_factory) first")
-        self._rows.prefetch(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes,
-                                        self._rows.device))
+        if self._store is None:
+            self._tables()
+        self._store.prefetch(self._plan_for(retrievedPosIndexes, retrievedNegIndexes))
 
 
-class _ModelSwitcher(_Prefetching, _TableMethods):
+class _ModelSwitcher(_Switcher):
     """One full embedding table; before each step the batch's rows become the weight of the
     batch-sized module ``model_variable``, after the step they are written back."""
 
@@ -131,33 +178,51 @@ class _ModelSwitcher(_Prefetching, _TableMethods):
         self.total_classes = total_classes
         self.embed_dimension = embed_dimension
         self.datatype = datatype
-        self._dtype = sw.resolve_dtype(datatype)
+        self._dtype = resolve_dtype(datatype)
         self._placement = placement
-        self._plan: Optional[sw.Plan] = None
         self._hooked = None
 
-    def _new_table(self) -> Tensor:
-        if self._rows is not None:  # colocated: (re)initialize the weight column in place
-            return self._rows.column(0).zero_()
-        return sw.allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
+    def _store_device(self) -> torch.device:
+        return self._weight().device
+
+    def _new_table(self) -> Optional[Tensor]:
+        """A new table, or None to re-initialise the store's own in place (colocated factories
+        share it)."""
+        if self._store is not None:
+            return None
+        return allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
+
+    def _initialise(self, fill) -> None:
+        table = self._new_table()
+        if table is None:
+            self._settle(writing=True)
+            (table,) = self._tables()
+        else:
+            self._adopt(table)
+        with torch.no_grad():
+            fill(table)
 
     def zerosInit(self) -> None:
-        setattr(self, self._attr, self._new_table())
+        self._initialise(lambda t: t.zero_())
 
     def uniformDistributionInit(self, low, high) -> None:
-        setattr(self, self._attr, self._new_table().uniform_(low, high))
+        self._initialise(lambda t: t.uniform_(low, high))
 
     def normalDistributionInit(self, mean, stdDev) -> None:
-        setattr(self, self._attr, self._new_table().normal_(mean, stdDev))
+        self._initialise(lambda t: t.normal_(mean, stdDev))
 
     def customInit(self, initFunction, *args) -> None:
-        table = self._new_table()
-        with torch.no_grad():
-            initFunction(table, *args)
-        setattr(self, self._attr, table)
+        self._initialise(lambda t: initFunction(t, *args))
 
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
-        return sw.variable_transformer(batchSize, posPerBatch, negPerBatch)
+        """Slot numbers for the model's inputs: slot i of the batch-sized module holds row
+        ids[i] (positives flattened, then negatives)."""
+        pos = np.arange(batchSize * posPerBatch).reshape(batchSize, posPerBatch)
+        if negPerBatch is None:
+            return pos
+        start = batchSize * posPerBatch
+        return pos, np.arange(start, start + batchSize * negPerBatch).reshape(batchSize,
+                                                                                negPerBatch)
 
     def _weight(self) -> Tensor:
         return self.model_variable.weight
@@ -165,33 +230,26 @@ class _ModelSwitcher(_Prefetching, _TableMethods):
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Load the batch's rows (positives, then negatives) into the module's weight."""
         weight = self._weight()
-        self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, weight.device)
-        if self._rows is not None:  # the weight and the optimizer state in one transfer
-            self._rows.load(self._plan)
-        else:
-            (table,) = self._tables()
-            weight.data = sw.gather(table, self._plan, weight.device, table.dtype)
+        self._plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
+        weight.data = self._store.load(self._plan)[self._parts[0]]
         if self._hooked is not weight:  # sums duplicate slots' gradients into their owner
             weight.register_hook(self._combine_duplicates)
             self._hooked = weight
 
     def _combine_duplicates(self, grad):
-        return sw.sum_into_owners(grad, self._plan.owner) if self._plan is not None else grad
+        return sum_into_owners(grad, self._plan.owner) if self._plan is not None else grad
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Write the batch's rows back into the table (each row once: its owner slot's value)."""
-        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, self._weight().device)
-        if self._rows is not None:
-            self._rows.write_back(plan)
-            return
-        (table,) = self._tables()
-        sw.scatter(table, plan, self._weight().data)
+        plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
+        self._store.write_back(plan, [self._weight().data])
 
 
-
-class _OptimizerSwitcher(_Prefetching, _TableMethods):
+class _OptimizerSwitcher(_Switcher):
     """The per-row optimizer state of one embedding: a full table per state tensor, swapped in
     and out of ``optimizer.state[weight]`` around each step."""
+
+    _listed = True
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype, placement):
@@ -201,74 +259,53 @@ class _OptimizerSwitcher(_Prefetching, _TableMethods):
         self.model = model
         self.variable_name = variable_name
         self.datatype = dtype
-        self._dtype = sw.resolve_dtype(dtype)
+        self._dtype = resolve_dtype(dtype)
         self._placement = placement
         path = variable_name[:-len(".weight")] if variable_name.endswith(".weight") else variable_name
         self._param = model.get_submodule(path).weight
-        group, self.optimizerKey = sw.find_group(given_optimizer, self._param)
-        self._fills, scalars = sw.state_layout(given_optimizer, group)
-        sw.init_state(given_optimizer, self._param, group, self._fills, scalars)
+        group, self.optimizerKey = optim_state.find_group(given_optimizer, self._param)
+        self._fills, scalars = optim_state.state_layout(given_optimizer, group)
+        optim_state.init_state(given_optimizer, self._param, group, self._fills, scalars)
         self.optVarList = list(self._fills)
-        self._plan: Optional[sw.Plan] = None
 
-    def _new_tables(self) -> list:
-        if self._rows is not None:  # colocated: (re)initialize the state columns in place
-            return [self._rows.column(1 + k).fill_(self._fills[key])
-                    for k, key in enumerate(self.optVarList)]
+    def _store_device(self) -> torch.device:
+        return self._param.device
+
+    def _batch_dtype(self) -> Optional[torch.dtype]:
+        return self._param.dtype  # the optimizer's state follows its parameter
+
+    def _new_tables(self) -> Optional[list]:
+        """New tables, or None to re-initialise the store's own in place."""
+        if self._store is not None:
+            return None
         shape = (self.total_classes, self.embed_dimension)
-        return [sw.allocate(shape, self._dtype, self._placement).fill_(self._fills[k])
-                for k in self.optVarList]
+        return [allocate(shape, self._dtype, self._placement) for _ in self.optVarList]
 
     def optInit(self) -> None:
-        setattr(self, self._attr, self._new_tables())
-
-    def _swappable(self, device: torch.device) -> bool:
-        """One optimizer_state_swap call serves every state tensor: same dtypes, and stores the
-        batch's device can exchange rows with."""
-        stores = self._tables() if self.optVarList else []
-        return all(s.dtype == self._param.dtype and sw.swappable(s, device) for s in stores)
+        tables = self._new_tables()
+        if tables is None:
+            self._settle(writing=True)
+            tables = self._tables()
+        else:
+            self._adopt(tables)
+        for table, key in zip(tables, self.optVarList):
+            table.fill_(self._fills[key])
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
-        stores = self._tables() if self.optVarList else []
+        if not self.optVarList:  # a stateless optimizer (plain SGD): nothing to move
+            return
+        self._plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
         state = self.given_optimizer.state[self._param]
-        device = self._param.device
-        self._plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
-        if self._rows is not None:  # the weight and the optimizer state in one transfer
-            self._rows.load(self._plan)
-            return
-        shape = (self._plan.cpu.numel(), self.embed_dimension)
-        batch = []
-        for key in self.optVarList:
-            current = state[key]
-            if tuple(current.shape) != shape or current.device != device or (
-                    current.dtype != self._param.dtype):
-                state[key] = torch.empty(shape, dtype=self._param.dtype, device=device)
-            batch.append(state[key])
-        if not batch:
-            return
-        if self._swappable(device):
-            sw.swap(stores, batch, self._plan, device, load=True)
-        else:
-            for store, b in zip(stores, batch):
-                b.copy_(sw.gather(store, self._plan, device, b.dtype))
+        rows = self._store.load(self._plan, out=[state[key] for key in self.optVarList])
+        for key, part in zip(self.optVarList, self._parts):
+            state[key] = rows[part]
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
-        device = self._param.device
-        if self._rows is not None:
-            self._rows.write_back(sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device))
-            return
         if not self.optVarList:
             return
-        stores = self._tables()
+        plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
         state = self.given_optimizer.state[self._param]
-        plan = sw.plan_for(retrievedPosIndexes, retrievedNegIndexes, device)
-        if self._swappable(device):
-            owner = plan.owner.to(device)
-            rows = [state[key].detach()[owner] for key in self.optVarList]
-            sw.swap(stores, rows, plan, device, load=False)
-        else:
-            for store, key in zip(stores, self.optVarList):
-                sw.scatter(store, plan, state[key])
+        self._store.write_back(plan, [state[key] for key in self.optVarList])
 
 
 class _COMBase(_TableMethods):
@@ -279,24 +316,28 @@ class _COMBase(_TableMethods):
     def __init__(self, total_classes, datatype, placement):
         self.total_classes = total_classes
         self.datatype = datatype
-        self._dtype = sw.resolve_dtype(datatype)
+        self._dtype = resolve_dtype(datatype)
         self._placement = placement
+
+    def _new_table(self) -> Tensor:
+        return allocate((self.total_classes, self.total_classes), self._dtype, self._placement)
 
     def comInit(self, CPUPinn=False) -> None:
         """Allocate the zero table. (As in 0.1.6 the argument is ignored: the constructor's
         placement is used.)"""
-        setattr(self, self._attr,
-                sw.allocate((self.total_classes, self.total_classes), self._dtype, self._placement))
+        self._adopt(self._new_table())
 
 
 class _GadgetBase(_TableMethods):
-    """Any ``.npy`` array as a store: rows (or slices) out to the compute device and back."""
+    """An array as a store: rows (or slices) out to the compute device and back. ``fileName``
+    is a ``.npy`` file's name or (not in 0.1.6, but user scripts of its time pass one) an
+    in-memory array or tensor."""
 
     def __init__(self, fileName, CPUPinn=False):
         self.fileName = fileName
         self.CPUPinn = CPUPinn
 
-    def _device(self) -> torch.device:
+    def _store_device(self) -> torch.device:
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     @staticmethod
@@ -308,25 +349,36 @@ class _GadgetBase(_TableMethods):
         """Rows ``indexes`` (an integer array; with a second array, positives then negatives) as
         a new tensor on the GPU (CPU without one). Slices and ints give a copy of that part."""
         (table,) = self._tables()
-        device = self._device()
         if retrievedNegIndexes is not None:
-            indexes = sw.reshaped_retrieval(indexes, retrievedNegIndexes)
+            indexes = reshaped_retrieval(indexes, retrievedNegIndexes)
         if not self._is_row_index(indexes):
-            return table[indexes].to(device)
-        return sw.gather(table, sw.Plan(indexes, device), device, table.dtype)
+            return table[indexes].to(self._store.device)
+        return self._store.load(self._store.plan_for(indexes))[0]
 
     def insertData(self, dataObject: Tensor, indexes, retrievedNegIndexes=None) -> None:
         """Write ``dataObject`` into rows ``indexes`` (cast to the table's dtype; for repeated
         rows the last one wins) or into a slice."""
         (table,) = self._tables()
         if retrievedNegIndexes is not None:
-            indexes = sw.reshaped_retrieval(indexes, retrievedNegIndexes)
+            indexes = reshaped_retrieval(indexes, retrievedNegIndexes)
         if not self._is_row_index(indexes):
             table[indexes] = dataObject.to(table.device, table.dtype)
             return
-        plan = sw.Plan(indexes, dataObject.device)
-        rows = dataObject.reshape(plan.cpu.numel(), *table.shape[1:])
-        sw.scatter(table, plan, rows, owners=False)
+        plan = self._store.plan_for(indexes)
+        rows = torch.as_tensor(dataObject).reshape(len(plan), *table.shape[1:])
+        self._store.write_back(plan, [rows], owners=False)
+
+    def _source(self) -> Tensor:
+        """The gadget's data: the file (memory-mapped, copied in chunks) or the given array."""
+        if isinstance(self.fileName, (str, bytes)) or hasattr(self.fileName, "__fspath__"):
+            return load_npy(self.fileName, pin=self.CPUPinn and torch.cuda.is_available())
+        data = torch.as_tensor(self.fileName)
+        if data.is_cuda:
+            data = data.cpu()
+        table = torch.empty(data.shape, dtype=data.dtype)
+        if self.CPUPinn and torch.cuda.is_available():
+            pin_(table)
+        return table.copy_(data)
 
 
 # ---- the CuPy-named family (0.1.6 CUPYLive.py) ---------------------------------------------
@@ -373,8 +425,8 @@ class DataGadget(_GadgetBase):
     """``DataGadget(fileName, CPUPinn=False)``: a ``.npy`` array in GPU or pinned memory."""
 
     def gadgetInit(self) -> None:
-        table = load_npy(self.fileName, pin=self.CPUPinn and torch.cuda.is_available())
-        self.CUPYcorpus = table if self.CPUPinn else table.to(sw.cuda_or_raise("DataGadget"))
+        table = self._source()
+        self._adopt(table if self.CPUPinn else table.to(cuda_or_raise("DataGadget")))
 
 
 # ---- the memory-mapped family (0.1.6 CPUCupyPinned.py) --------------------------------------
@@ -394,8 +446,9 @@ class ModelFactoryMM(_ModelSwitcher):
         self.fileName = None
 
     def _new_table(self) -> Tensor:
-        self.fileName = sw.next_free_name(self.diskname, ".memmap.cpy.npy")
-        return sw.mmap_npy(self.fileName, (self.total_classes, self.embed_dimension),
+        """A new file at every init method (as in 0.1.6)."""
+        self.fileName = next_free_name(self.diskname, ".memmap.cpy.npy")
+        return mmap_npy(self.fileName, (self.total_classes, self.embed_dimension),
                            self._dtype, self.CPUPinn)
 
 
@@ -415,11 +468,11 @@ class OptimizerFactoryMM(_OptimizerSwitcher):
         self.fileNames = []
 
     def _new_tables(self) -> list:
-        stem = sw.next_free_name(self.diskname, ".memmap.cpy.npy")[: -len(".memmap.cpy.npy")]
+        stem = next_free_name(self.diskname, ".memmap.cpy.npy")[: -len(".memmap.cpy.npy")]
         self.fileNames = [f"{stem}.memmap{key}.cpy.npy" for key in self.optVarList]
         shape = (self.total_classes, self.embed_dimension)
-        return [sw.mmap_npy(name, shape, self._dtype, self.CPUPinn).fill_(self._fills[key])
-                for name, key in zip(self.fileNames, self.optVarList)]
+        return [mmap_npy(name, shape, self._dtype, self.CPUPinn)
+                for name in self.fileNames]
 
 
 class COMMM(_COMBase):
@@ -430,10 +483,10 @@ class COMMM(_COMBase):
         self.diskname = diskname
         self.CPUPinn = CPUPinn
 
-    def comInit(self, CPUPinn=False) -> None:
-        self.fileName = sw.next_free_name(self.diskname, ".memmap.cpy.npy")
-        self.CUPYCom = sw.mmap_npy(self.fileName, (self.total_classes, self.total_classes),
-                                   self._dtype, self.CPUPinn)
+    def _new_table(self) -> Tensor:
+        self.fileName = next_free_name(self.diskname, ".memmap.cpy.npy")
+        return mmap_npy(self.fileName, (self.total_classes, self.total_classes), self._dtype,
+                        self.CPUPinn)
 
 
 class DataGadgetMM(_GadgetBase):
@@ -443,7 +496,7 @@ class DataGadgetMM(_GadgetBase):
     _attr = "CUPYmemmap"
 
     def gadgetInit(self) -> None:
-        self.CUPYmemmap = torch.from_numpy(np.load(self.fileName, mmap_mode="r+"))
+        self._adopt(torch.from_numpy(np.load(self.fileName, mmap_mode="r+")))
 
 
 # ---- the torch-named families (0.1.6 GPUTorch.py, CPUTorchPinned.py, GenTorch.py) ----------

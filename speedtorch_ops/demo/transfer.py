@@ -1,7 +1,7 @@
 """Transfer demo: batches of random rows moved between a host table and the device with the ops,
 checked against plain PyTorch indexing, with the rate printed.
 
-    python -m speedtorch_ops.transfer_demo [--rows N] [--dim D] [--batch B] [--steps S] [--device cpu|cuda]
+    python -m speedtorch_ops.demo.transfer [--rows N] [--dim D] [--batch B] [--steps S] [--device cpu|cuda]
 """
 
 import argparse

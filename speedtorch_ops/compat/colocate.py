@@ -1,0 +1,81 @@
+"""``colocate``: a model factory and its optimizer factory share one host table (an extension of
+SpeedTorch's factories, opt-in).
+
+A model factory and its optimizer factory normally keep one host table each: a batch row's weight
+and its optimizer state sit in separate multi-GiB tables and move in separate transfers.
+Colocated, they share one ``ColocatedRows`` store whose host table has shape
+(rows, 1 + states, dim): a row's weight and its state are adjacent (1.5 KiB for Adam at dim 128)
+and move together; the factories' tables become views of it (``CUPYcorpus`` is ``table[:, 0]``,
+the optimizer's tables ``table[:, 1 + k]``), and both factories can ``prefetch``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..training.placement import allocate
+from ..training.stores import ColocatedRows
+from .factories import _ModelSwitcher, _OptimizerSwitcher
+
+
+def _check_pair(mf, of) -> None:
+    if not isinstance(mf, _ModelSwitcher):
+        raise TypeError("colocate: model_factory must be a model factory (e.g. ModelFactory)")
+    if of is not None and not isinstance(of, _OptimizerSwitcher):
+        raise TypeError("colocate: optimizer_factory must be an optimizer factory "
+                        "(e.g. OptimizerFactory) or None")
+    for f in (mf, of):
+        if f is None:
+            continue
+        if isinstance(f._store, ColocatedRows):
+            raise ValueError(f"colocate: this {type(f).__name__} is already colocated")
+        if f._placement not in ("pinned", "cpu", "cuda"):
+            raise ValueError(f"colocate: {type(f).__name__} keeps its table in "
+                             f"{f._placement!r} storage; only pinned, CPU and CUDA stores "
+                             "can share one table")
+    weight = mf._weight()
+    if weight.dtype != mf._dtype:
+        raise ValueError(f"colocate: the model's weight is {weight.dtype} but the table is "
+                         f"{mf._dtype}; they must match (the batch's rows become the weight "
+                         "without a copy)")
+    if of is None:
+        return
+    shape = (mf.total_classes, mf.embed_dimension)
+    if of._param is not weight:
+        raise ValueError("colocate: the optimizer factory's variable is not this model "
+                         "factory's weight")
+    if of._placement != mf._placement:
+        raise ValueError(f"colocate: the stores must be in the same place, got "
+                         f"{mf._placement!r} and {of._placement!r}")
+    if (of.total_classes, of.embed_dimension) != shape or of._dtype != mf._dtype:
+        state_shape = (of.total_classes, of.embed_dimension)
+        raise ValueError(f"colocate: the state tables are {state_shape} {of._dtype}, "
+                         f"the weight table {shape} {mf._dtype}; they must match")
+
+
+def colocate(model_factory, optimizer_factory=None) -> ColocatedRows:
+    """Keep the rows of ``model_factory``'s table and ``optimizer_factory``'s state tables side by
+    side in one host table, moved together by one transfer each way, and enable ``prefetch`` on
+    both factories. Call it right after constructing the factories: their init methods
+    (``uniformDistributionInit``, ``optInit``, ...) then fill the shared table. Called after
+    them, it copies the tables' contents in (both layouts exist for a moment). Pinned, CPU and
+    CUDA stores; the model's weight must have the table's dtype. Returns the shared store."""
+    mf, of = model_factory, optimizer_factory
+    _check_pair(mf, of)
+    keys: list = list(of.optVarList) if of is not None else []
+    shape = (mf.total_classes, 1 + len(keys), mf.embed_dimension)
+    # Zeros, or the tables' current contents (then both exist for a moment).
+    host = allocate(shape, mf._dtype, mf._placement)
+    if mf._store is not None:
+        host[:, 0].copy_(mf._tables()[0])
+    states: Optional[list] = of._tables() if of is not None and of._store is not None else None
+    for k, key in enumerate(keys):
+        if states is not None:
+            host[:, 1 + k].copy_(states[k])
+        else:
+            host[:, 1 + k].fill_(of._fills[key])
+    store = ColocatedRows(host, mf._weight().device)
+    mf._use_store(store, [0])
+    if of is not None:
+        of._use_store(store, list(range(1, 1 + len(keys))))
+    return store

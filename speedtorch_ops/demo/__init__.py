@@ -1,0 +1,14 @@
+"""The main job: skip-gram with negative sampling, the embedding tables and their optimizer state
+in pinned host memory (the GPU holds only the batch), trained through the SpeedTorch-compatible
+factories, on an embedded corpus with planted structure.
+
+The corpus is generated deterministically: the vocabulary is split into clusters of
+--cluster-size words; each sentence draws most of its words from one cluster and the rest from
+the whole vocabulary (Zipf-like noise). Words of a cluster co-occur, so a trained embedding puts
+them next to each other: the quality score is the share of each word's nearest neighbours
+(cosine, centre embeddings) that are in its own cluster (chance: about cluster_size / vocab).
+
+    python -m speedtorch_ops.demo                      # CPU when no GPU is present
+    python -m speedtorch_ops.demo --vocab 4000000 --dim 128 --batch 8192 --device cuda \
+        --gpu-budget-mb 2048 --baseline                 # table bigger than the GPU budget
+"""

@@ -1,0 +1,5 @@
+"""python -m speedtorch_ops.demo"""
+
+from .cli import main
+
+main()

@@ -1,0 +1,98 @@
+"""The demo's command line: python -m speedtorch_ops.demo --help."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from . import __doc__ as DOC
+from .corpus import Corpus
+from .model import neighbour_precision
+from .train import OPTIMIZERS, resolve_switching, train_all_on_gpu, train_switchers, warmup_steps
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocab", type=int, default=20_000, help="rows of each embedding table")
+    p.add_argument("--cluster-size", type=int, default=20, help="words per planted cluster")
+    p.add_argument("--tokens", type=int, default=2_000_000, help="corpus length")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024, help="centre words per step")
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--fused", action="store_true",
+                   help="torch's fused optimizer kernels (fused=True): adam, adamw, sgd; "
+                        "adagrad on the CPU only (torch has no fused rmsprop)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gpu-budget-mb", type=float, default=None,
+                   help="cap this process's CUDA memory (to show tables larger than the budget)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time plain PyTorch with the whole tables on the GPU")
+    p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
+                   default="auto",
+                   help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "
+                        "colocated: weight and state rows side by side in one host table "
+                        "(speedtorch_ops.colocate); prefetch: colocated, and the next batch's "
+                        "rows load while the current one trains; auto: colocated on a GPU, "
+                        "plain on the CPU (bench/RESULTS.md has the measurements)")
+    p.add_argument("--transfer-sms", type=int, default=16,
+                   help="SMs the transfer kernels may use (0: all). Capped, the loads and "
+                        "write-backs of the two tables run beside each other and beside the "
+                        "training kernels; on the H100, 16 SMs move rows as fast as all 132 "
+                        "(bench/probes/overlap.py) and the demo steps faster")
+    p.add_argument("--reuse-batches", action="store_true",
+                   help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
+    return p
+
+
+def main(argv=None) -> None:
+    p = parser()
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be at least 1")
+    if a.fused and a.optimizer == "rmsprop":
+        p.error("--fused: torch has no fused RMSprop")
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+
+    corpus = Corpus(a.vocab, a.cluster_size, a.tokens)
+    table_mb = a.vocab * a.dim * 4 / 2**20
+    if a.gpu_budget_mb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(a.gpu_budget_mb * 2**20 / total, device)
+    print(f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 tables "
+          f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
+          f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
+          f" ({resolve_switching(a.switching, device)} switching)"
+          + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
+
+    r = train_switchers(a, corpus, device)
+    quality = neighbour_precision(r["table"], corpus.cluster)
+    chance = (a.cluster_size - 1) / (a.vocab - 1)
+    timed = a.steps - warmup_steps(a)
+    steps_per_s = timed / r["seconds"]
+    print(f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}")
+    print(f"steps/s {steps_per_s:,.1f} (the {timed} steps after {a.steps - timed} warm-up steps); "
+          f"rows moved {r['rows_per_step'] * steps_per_s / 1e6:,.2f} M/s "
+          f"(weights and optimizer state, loaded and written back)")
+    print(f"host tables {r['host_table_bytes'] / 2**20:,.0f} MiB; process peak RSS "
+          f"{r['peak_rss'] / 2**20:,.0f} MiB (set-up and training)"
+          + (f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB"
+             if device.type == "cuda" else ""))
+    print(f"quality: nearest-neighbour precision@5 {quality:.3f} (chance {chance:.4f})")
+    if a.baseline and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = timed / train_all_on_gpu(a, corpus, device)
+        print(f"baseline, whole tables on the GPU (SparseAdam): steps/s {base:,.1f}, GPU peak "
+              f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; switchers / baseline "
+              f"= {steps_per_s / base:.2f}")
+    # Judged only when each word was a centre ~20 times (short runs on huge tables time speed).
+    if a.steps * a.batch >= 20 * a.vocab and not (r["losses"][-1] < r["losses"][0]
+                                                   and quality > 5 * chance):
+        raise SystemExit("training did not learn the planted structure")

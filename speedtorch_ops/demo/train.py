@@ -1,0 +1,178 @@
+"""The demo's training loops: through the SpeedTorch-compatible factories (tables in pinned host
+memory), and the plain-PyTorch baseline with the whole tables on the GPU; both timed alike."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+from torch import Tensor
+
+import speedtorch_ops as so
+
+from .model import SkipGram
+
+OPTIMIZERS = {  # name -> (params, lr, fused) -> optimizer
+    "adam": lambda p, lr, fused: torch.optim.Adam(p, lr=lr, fused=fused),
+    "adamw": lambda p, lr, fused: torch.optim.AdamW(p, lr=lr, fused=fused),
+    "adagrad": lambda p, lr, fused: torch.optim.Adagrad(p, lr=lr * 10, fused=fused),
+    "rmsprop": lambda p, lr, fused: torch.optim.RMSprop(p, lr=lr / 5),  # no fused version
+    "sgd": lambda p, lr, fused: torch.optim.SGD(p, lr=lr * 100, momentum=0.9, fused=fused),
+}
+
+
+def progress(iterable, total):
+    try:
+        from tqdm import tqdm
+        return tqdm(iterable, total=total, mininterval=1.0, unit="step")
+    except ImportError:  # tqdm is optional
+        return iterable
+
+
+def batch_source(a, corpus):
+    """step -> batch: fresh draws, or with --reuse-batches 64 batches drawn ahead and cycled."""
+    if not a.reuse_batches:
+        return lambda step: corpus.batch(a.batch, a.negatives)
+    batches = [corpus.batch(a.batch, a.negatives) for _ in range(min(a.steps, 64))]
+    return lambda step: batches[step % len(batches)]
+
+
+def resolve_switching(switching: str, device) -> str:
+    if switching == "auto":
+        return "colocated" if torch.device(device).type == "cuda" else "plain"
+    return switching
+
+
+class SwitcherTraining:
+    """The tables in pinned host memory (ordinary memory without a GPU), the optimizer state
+    too; a step loads the batch's rows, trains the batch-sized model, and writes the rows back.
+
+    On a GPU each table's weight and optimizer state share one host table by default
+    (``speedtorch_ops.colocate``: one transfer of 1.5 KiB rows per table each way instead of
+    three of 512 B); ``--switching prefetch`` also loads the next batch while the current one
+    trains, ``--switching plain`` uses SpeedTorch 0.1.6's calls only."""
+
+    def __init__(self, a, device):
+        B, N = a.batch, a.negatives
+        self.model = SkipGram(B, B * (1 + N), a.dim).to(device)
+        self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr, a.fused or None)
+        self.u_sw = so.ModelFactory(self.model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
+        self.v_sw = so.ModelFactory(self.model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
+        self.u_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
+                                         "u_embeddings", CPUPinn=True)
+        self.v_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
+                                         "v_embeddings", CPUPinn=True)
+        if device.type == "cuda" and a.transfer_sms:
+            so.set_transfer_sm_limit(a.transfer_sms)  # process-wide
+        switching = resolve_switching(a.switching, device)
+        self.prefetching = switching == "prefetch"
+        if switching != "plain":  # before the init methods: they fill the shared tables
+            so.colocate(self.u_sw, self.u_opt)
+            so.colocate(self.v_sw, self.v_opt)
+        bound = 0.5 / a.dim
+        self.u_sw.uniformDistributionInit(-bound, bound)
+        self.v_sw.normalDistributionInit(0.0, bound)
+        self.u_opt.optInit()
+        self.v_opt.optInit()
+        self.centre = torch.as_tensor(self.u_sw.variableTransformer(B, 1), device=device)
+        self.context, self.negatives = (torch.as_tensor(x, device=device)
+                                        for x in self.v_sw.variableTransformer(B, 1, N))
+
+    def _each_factory(self, method: str, labels, ctx, negs) -> None:
+        """factory.<method>(ids) for the weights and the optimizer state of both tables:
+        centre words for u, contexts then negatives for v (SpeedTorch's index order)."""
+        with torch.no_grad():
+            for factory, ids in ((self.u_sw, (labels,)), (self.v_sw, (ctx, negs)),
+                                 (self.u_opt, (labels,)), (self.v_opt, (ctx, negs))):
+                getattr(factory, method)(*ids)
+
+    def load(self, labels, ctx, negs) -> None:
+        self._each_factory("beforeForwardPass", labels, ctx, negs)
+
+    def prefetch(self, labels, ctx, negs) -> None:
+        """Start moving the next batch's rows while this one trains (colocated factories)."""
+        with torch.no_grad():
+            self.u_sw.prefetch(labels)
+            self.v_sw.prefetch(ctx, negs)
+
+    def compute(self) -> Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(self.centre, self.context, self.negatives)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def write_back(self, labels, ctx, negs) -> None:
+        self._each_factory("afterOptimizerStep", labels, ctx, negs)
+
+    def step(self, batch, following=None) -> Tensor:
+        """One training step on `batch` (labels, contexts, negatives); with prefetch on, the
+        `following` batch (if any) starts loading while this one trains."""
+        self.load(*batch)
+        if following is not None and self.prefetching:
+            self.prefetch(*following)
+        loss = self.compute()
+        self.write_back(*batch)
+        return loss
+
+    def tables(self) -> list:
+        return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
+                *self.v_opt.CUPYcorpi]
+
+
+def timed_steps(a, device, step) -> float:
+    """Runs step(i) for i in range(a.steps) and returns the seconds of the steps after the
+    first `warmup_steps(a)` (first calls allocate, load kernels and fill caches); the clock
+    starts and stops with the device idle."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    warmup, start = warmup_steps(a), None
+    for i in progress(range(a.steps), a.steps):
+        if i == warmup:
+            sync()
+            start = time.perf_counter()
+        step(i)
+    sync()
+    return time.perf_counter() - start
+
+
+def warmup_steps(a) -> int:
+    return min(10, a.steps // 10)
+
+
+def train_switchers(a, corpus, device):
+    run = SwitcherTraining(a, device)
+    losses = []
+    next_batch = batch_source(a, corpus)
+    batch = [next_batch(0)]  # this step's
+
+    def step(i):
+        following = next_batch(i + 1) if i + 1 < a.steps else None
+        loss = run.step(batch[0], following)
+        batch[0] = following
+        if i % max(1, a.steps // 20) == 0 or i == a.steps - 1:
+            losses.append(loss)  # read after the run: a read here would wait for the GPU
+
+    seconds = timed_steps(a, device, step)
+    B, N = a.batch, a.negatives
+    rows_per_step = 2 * (B + B * (1 + N)) * (1 + len(run.u_opt.optVarList))  # loaded + written
+    return dict(seconds=seconds, losses=[float(x) for x in losses], rows_per_step=rows_per_step,
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.u_sw.CUPYcorpus)
+
+
+def train_all_on_gpu(a, corpus, device):
+    """Plain PyTorch baseline: the full tables on the GPU, sparse gradients, SparseAdam (the same
+    lazy semantics as the switchers with Adam). Timed like the switchers (timed_steps)."""
+    model = SkipGram(a.vocab, a.vocab, a.dim, sparse=True).to(device)
+    optimizer = torch.optim.SparseAdam(model.parameters(), lr=a.lr)
+    next_batch = batch_source(a, corpus)
+
+    def step(i):
+        ids = [torch.as_tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+               for x in next_batch(i)]
+        optimizer.zero_grad(set_to_none=True)
+        model(*ids).backward()
+        optimizer.step()
+
+    return timed_steps(a, device, step)

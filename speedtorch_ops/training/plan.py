@@ -1,0 +1,136 @@
+"""A step's plan: one batch's ids, checked on the host, uploaded and sorted once, with the owner
+slot of every duplicate. A plan belongs to the store (or module) whose step made it; nothing
+here is shared between tables or steps.
+
+Duplicate ids (the rule of the factories and the modules): slot i of a batch holds row ids[i];
+a row's first slot is its *owner*. Gradients of all slots of a row are summed into the owner
+(``sum_into_owners``) and each distinct row is written back once, from its owner slot. So each
+row is updated once with the sum of its gradients: the same as training the full table on the
+batch, lazily (rows outside the batch and their optimizer state do not change).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .placement import upload
+
+_INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def reshaped_retrieval(pos, neg=None):
+    """SpeedTorch's index order: positives flattened (C order), then negatives flattened."""
+    if neg is None:
+        return pos.reshape(-1)
+    if isinstance(pos, Tensor) or isinstance(neg, Tensor):
+        return torch.cat([torch.as_tensor(pos).reshape(-1), torch.as_tensor(neg).reshape(-1)])
+    return np.concatenate([np.asarray(pos).reshape(-1), np.asarray(neg).reshape(-1)])
+
+
+def host_ids(ids, name: str = "ids") -> Tensor:
+    """`ids` (NumPy, list or a tensor on any device) as a 1-D int64 CPU tensor."""
+    if isinstance(ids, np.ndarray) or not isinstance(ids, Tensor):
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be integers, got {ids.dtype}")
+        # NumPy converts without waking torch's thread pool.
+        return torch.from_numpy(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64))
+    if ids.dtype not in _INTEGER:
+        raise TypeError(f"{name} must be integers, got {ids.dtype}")
+    return ids.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
+
+
+class Plan:
+    """One batch's ids: on the host (``cpu``), and on ``device`` once asked for (``index``),
+    sorted once, with each slot's owner. Device work is queued without synchronizing."""
+
+    def __init__(self, ids, device: torch.device):
+        self.cpu = host_ids(ids)
+        self.device = torch.device(device)
+        self._index: Optional[Tensor] = None
+        self._sorted: Optional[tuple] = None
+        self._owner_sorted: Optional[Tensor] = None
+        self._owner: Optional[Tensor] = None
+        self._range: Optional[tuple] = None
+
+    @classmethod
+    def of(cls, pos, neg, device: torch.device) -> "Plan":
+        """The plan of SpeedTorch's (positives, negatives) ids."""
+        return cls(reshaped_retrieval(pos, neg), device)
+
+    def __len__(self) -> int:
+        return self.cpu.numel()
+
+    def same_ids(self, other: Tensor) -> bool:
+        """Whether `other` (1-D int64 on the CPU) holds these ids: a few first (batches of a
+        step differ there), then all of them with NumPy (torch.equal wakes its thread pool)."""
+        if other.shape != self.cpu.shape:
+            return False
+        x, y = self.cpu.numpy(), other.numpy()
+        return bool((x[:8] == y[:8]).all()) and bool(np.array_equal(x, y))
+
+    def check(self, rows: int, name: str = "ids") -> None:
+        """Raise unless every id is in [0, rows): on the host, where the ids already are, so the
+        ops need not wait for their own device-side check (they run with
+        bounds_check='prechecked')."""
+        if self.cpu.numel() == 0:
+            return
+        if self._range is None:  # NumPy: torch wakes its thread pool for 50 k ids
+            ids = self.cpu.numpy()
+            self._range = (int(ids.min()), int(ids.max()))
+        if self._range[0] < 0 or self._range[1] >= rows:
+            bad = int(((self.cpu < 0) | (self.cpu >= rows)).nonzero()[0])
+            raise RuntimeError(f"{name}[{bad}] = {int(self.cpu[bad])} is out of range for a table "
+                               f"of {rows} rows; every id must be in [0, {rows}). Nothing was "
+                               "written.")
+
+    @property
+    def index(self) -> Tensor:
+        """The ids as int64 on the plan's device (uploaded once)."""
+        if self._index is None:
+            self._index = upload(self.cpu, self.device)
+        return self._index
+
+    def on(self, device: torch.device) -> Tensor:
+        """The ids on `device`: the plan's own copy there, else a fresh upload."""
+        if device == self.device or device.type == self.device.type == "cpu":
+            return self.index
+        return upload(self.cpu, device)
+
+    @property
+    def sorted(self) -> tuple:
+        """(the ids sorted, stably; the slot of each): a row's first slot comes first."""
+        if self._sorted is None:
+            self._sorted = torch.sort(self.index, stable=True)
+        return self._sorted
+
+    @property
+    def owner_sorted(self) -> Tensor:
+        """The owner slot of each sorted position (the row's first slot: a binary search finds
+        the first position of each run, the stable sort keeps a row's slots ascending)."""
+        if self._owner_sorted is None:
+            sorted_ids, perm = self.sorted
+            self._owner_sorted = perm[torch.searchsorted(sorted_ids, sorted_ids)]
+        return self._owner_sorted
+
+    @property
+    def owner(self) -> Tensor:
+        """The owner slot of each slot."""
+        if self._owner is None:
+            _, perm = self.sorted
+            self._owner = torch.empty_like(perm).index_copy_(0, perm, self.owner_sorted)
+        return self._owner
+
+
+def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:
+    """Gradient hook: each row's slot gradients summed into its owner slot, others zero."""
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        rows = owner.to(grad.device)[grad.indices()[0]]
+        return torch.sparse_coo_tensor(rows.unsqueeze(0), grad.values(), grad.shape,
+                                       check_invariants=False).coalesce()
+    return torch.zeros_like(grad).index_add_(0, owner.to(grad.device), grad)
