@@ -17,6 +17,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "torch: run `pip install --no-build-isolation -e .` in the source tree."
     ) from e
 
+from .modules import HostEmbedding, HostEmbeddingBag
 from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
@@ -39,6 +40,8 @@ __all__ = [
     "load_npy",
     "is_zero_copy_usable",
     "colocate",
+    "HostEmbedding",
+    "HostEmbeddingBag",
     "ModelFactory", "OptimizerFactory", "COM", "DataGadget",
     "ModelFactoryMM", "OptimizerFactoryMM", "COMMM", "DataGadgetMM",
     "GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "GPUPytorchCOM",

@@ -1,0 +1,218 @@
+"""Stores of distinct rows for the modules: a step stages the distinct rows of its ids (weight and
+optimizer state together) in a working buffer on the device, the optimizer updates the buffer,
+and the step commits it back. ``HostRows`` reads and writes every distinct row from the host
+table; ``CachedRows`` keeps hot rows with their optimizer state in a GPU row cache and moves only
+the misses (and the rows they evict).
+
+Everything a step decides (distinct ids, hits, misses, victims) is computed on the device with
+shapes fixed by the batch size, so the host never waits for the GPU: row counts known only on
+the device travel to the transfer kernels as ``count`` tensors.
+
+The cache (``CachedRows``):
+- ``slots`` rows of (parts, *row) on the GPU, plus one scratch slot that absorbs the writes of
+  entries that do nothing (fixed shapes: no compaction on the host);
+- a direct map ``slot_of`` (table row -> slot, -1 when not cached) and each slot's row ``id_of``;
+- access frequencies ``freq`` of every table row (LFU), halved every ``aging_steps`` steps so the
+  cache follows a drifting distribution;
+- a miss is admitted when a slot not used by this step holds a row accessed less often (or
+  nothing); the evicted row is written back to the host (every cached row has been trained, so
+  every cached row is dirty). A miss that is not admitted is written back at commit.
+The map and the frequencies cost 8 bytes per table row (counted in the budget).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from .plan import Plan
+
+_NO_WAIT = "prechecked"  # plans check host ids before any op runs
+
+
+class Distinct:
+    """The distinct ids of a plan, on its device, in fixed shapes: ``ids[:count]`` ascending,
+    ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of the plan's i-th id."""
+
+    def __init__(self, plan: Plan):
+        sorted_ids, perm = plan.sorted
+        n = len(plan)
+        first = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
+        if n > 1:
+            torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+        rank = first.cumsum(0) - 1
+        self.n = n
+        self.count = (rank[-1:] + 1) if n else torch.zeros(1, dtype=torch.int64,
+                                                           device=sorted_ids.device)
+        self.ids = torch.zeros(n, dtype=torch.int64, device=sorted_ids.device).scatter_(
+            0, rank, sorted_ids)
+        self.inverse = torch.empty_like(rank).index_copy_(0, perm, rank)
+        self.positions = torch.arange(n, device=sorted_ids.device)
+        self.valid = self.positions < self.count
+
+
+class HostRows:
+    """Every distinct row of a step read from and written back to the host table (rows, parts,
+    *row): one transfer each way, each distinct row once, in address order."""
+
+    def __init__(self, host: Tensor, device: torch.device):
+        self.host = host
+        self.device = torch.device(device)
+        self.parts = host.shape[1]
+        self.row_shape = tuple(host.shape[2:])
+        self._staged: Optional[tuple] = None
+        self.stats = torch.zeros(5, dtype=torch.int64, device=self.device)
+
+    def _buffer(self, n: int) -> Tensor:
+        return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
+                           device=self.device)
+
+    def _move(self, parts, rows: Tensor, slots: Tensor, count: Tensor, load: bool) -> None:
+        ops._sorted_transfer(self.host, parts, rows, slots, load, count=count,
+                             bounds_check=_NO_WAIT)
+
+    def stage(self, plan: Plan) -> tuple:
+        """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
+        plan.check(self.host.shape[0])
+        d = Distinct(plan)
+        buf = self._buffer(d.n)
+        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
+        self.stats[0] += d.count[0]
+        self.stats[2] += d.count[0]
+        self._staged = (d, buf)
+        return buf, d
+
+    def commit(self) -> None:
+        """Write the staged rows (updated in place) back."""
+        d, buf = self._take()
+        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
+
+    def _take(self) -> tuple:
+        if self._staged is None:
+            raise RuntimeError("commit: no rows are staged (call stage, i.e. the module's "
+                               "forward, first)")
+        staged, self._staged = self._staged, None
+        return staged
+
+    def discard(self) -> None:
+        """Forget the staged rows without writing them (a read-only forward)."""
+        self._staged = None
+
+    def reset(self) -> None:
+        """The host table was rewritten: forget any device copy of its rows."""
+        self._staged = None
+
+    def flush(self) -> None:
+        """Make the host table complete (nothing to do: it always is between steps)."""
+
+    def cached_bytes(self) -> int:
+        return 0
+
+
+class CachedRows(HostRows):
+    """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
+
+    def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256):
+        super().__init__(host, device)
+        if slots < 1:
+            raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
+        rows = host.shape[0]
+        self.slots = slots
+        self.aging_steps = aging_steps
+        self.cache = torch.zeros((self.parts, slots + 1, *self.row_shape), dtype=host.dtype,
+                                 device=self.device)
+        self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=self.device)
+        self.id_of = torch.full((slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
+        self._steps = 0
+
+    @staticmethod
+    def index_bytes(rows: int) -> int:
+        """Bytes of the map and the frequencies for a table of `rows` rows."""
+        return rows * 8
+
+    def cached_bytes(self) -> int:
+        return (self.cache.nbytes + self.slot_of.nbytes + self.id_of.nbytes + self.freq.nbytes)
+
+    def stage(self, plan: Plan) -> tuple:
+        plan.check(self.host.shape[0])
+        d = Distinct(plan)
+        n, scratch = d.n, self.slots
+        slot = self.slot_of[d.ids].long()
+        hit = d.valid & (slot >= 0)
+        miss = d.valid & (slot < 0)
+        self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
+        # Hits from the cache (every other entry reads the scratch slot), misses from the host.
+        buf = self.cache.index_select(1, torch.where(hit, slot, scratch))
+        order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
+        misses = miss.sum().view(1)
+        self._move(buf.unbind(0), d.ids[order], order, misses, load=True)
+        self.stats[0] += d.count[0]
+        self.stats[1] += hit.sum()
+        self.stats[2] += misses[0]
+        self._staged = (d, buf, slot, hit, order, misses)
+        return buf, d
+
+    def commit(self) -> None:
+        d, buf, slot, hit, order, misses = self._take()
+        n, scratch = d.n, self.slots
+        # Hits go back to their slots.
+        self.cache.index_copy_(1, torch.where(hit, slot, scratch), buf)
+        # Victims for the misses: the least-frequently used slots this step does not use.
+        k = min(n, self.slots)
+        occupied = self.id_of[: self.slots] >= 0
+        prio = torch.where(occupied, self.freq[self.id_of[: self.slots].clamp(min=0)],
+                           torch.full_like(self.freq[:1], -1.0).expand(self.slots))
+        prio = self._exclude_hits(prio, slot, hit)
+        victims = torch.topk(prio, k, largest=False, sorted=True).indices  # coldest first
+        j = d.positions[:k]
+        miss_ids = d.ids[order[:k]]
+        admit = (j < misses) & (self.freq[miss_ids] >= prio[victims]) & torch.isfinite(prio[victims])
+        old = self.id_of[victims]
+        evict = admit & (old >= 0)
+        # Evicted rows to the host first (their slots are overwritten next), in address order.
+        ev_key = torch.where(evict, old, torch.iinfo(torch.int64).max)
+        ev_sorted, ev_order = torch.sort(ev_key)
+        self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evict.sum().view(1),
+                   load=False)
+        # Admitted misses into their slots; the map follows.
+        dump_row, dump_slot = self.slot_of.numel() - 1, scratch
+        self.slot_of[torch.where(evict, old, dump_row)] = -1
+        self.slot_of[torch.where(admit, miss_ids, dump_row)] = victims.to(torch.int32)
+        self.id_of[torch.where(admit, victims, dump_slot)] = torch.where(admit, miss_ids, -1)
+        self.cache.index_copy_(1, torch.where(admit, victims, scratch), buf[:, order[:k]])
+        # Misses not admitted go straight back to the host.
+        rest = (d.positions < misses)
+        rest[:k] &= ~admit
+        back = torch.argsort((~rest).to(torch.int8), stable=True)
+        self._move(buf.unbind(0), d.ids[order[back]], order[back], rest.sum().view(1),
+                   load=False)
+        self.stats[3] += evict.sum()
+        self.stats[4] += rest.sum()
+        self._steps += 1
+        if self._steps % self.aging_steps == 0:
+            self.freq.mul_(0.5)
+
+    def reset(self) -> None:
+        """The host table was rewritten: the cached copies are dropped, not written back."""
+        super().reset()
+        self.slot_of.fill_(-1)
+        self.id_of.fill_(-1)
+
+    def _exclude_hits(self, prio: Tensor, slot: Tensor, hit: Tensor) -> Tensor:
+        """Slots holding rows of this step cannot be victims."""
+        busy = torch.where(hit, slot, self.slots)  # misses and padding: the scratch slot
+        return torch.cat([prio, prio.new_zeros(1)]).index_fill_(0, busy, float("inf"))[:-1]
+
+    def flush(self) -> None:
+        """Write every cached row to the host table (it is then complete); the rows stay cached.
+        Waits for the GPU (the number of cached rows is read)."""
+        ids = self.id_of[: self.slots]
+        key = torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max)
+        rows, order = torch.sort(key)
+        count = (ids >= 0).sum().view(1)
+        self._move(self.cache.unbind(0), rows, order, count, load=False)
+        torch.cuda.current_stream(self.device).synchronize()
