@@ -23,7 +23,7 @@ updates them itself, as FBGEMM's fused embeddings do): keep them out of the dens
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -83,6 +83,7 @@ class _HostRowsModule(nn.Module):
                 self.host[:, 1 + k].fill_(self._fills[key])
         self.store = self._make_store(cache_bytes)
         self._staged = None
+        self.steps = 0  # step() calls so far
 
     def _make_store(self, cache_bytes: int):
         if cache_bytes == 0 or self.device.type != "cuda":
@@ -136,11 +137,25 @@ class _HostRowsModule(nn.Module):
         self._rows.grad = None
         self._staged = None
         self.store.commit()
+        self.steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the rows' gradients live per step
         self._rows.grad = None
 
     # ---- inspection and checkpoints --------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self, init: Optional[Callable[[Tensor], object]] = None) -> None:
+        """Re-initialise the weight in place (``init(weight)``, default: normal(0, 1) like
+        nn.Embedding's) and the per-row optimizer state; cached copies are dropped."""
+        if self._staged is not None:
+            self.store.discard()
+            self._staged = None
+        self.store.reset()
+        weight = self.host[:, 0]
+        init(weight) if init is not None else weight.normal_()
+        for k, key in enumerate(self.state_keys):
+            self.host[:, 1 + k].fill_(self._fills[key])
 
     def flush(self) -> None:
         """Write every cached row to the host table (complete afterwards; waits for the GPU)."""

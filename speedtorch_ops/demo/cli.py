@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from . import __doc__ as DOC
-from .corpus import Corpus
+from .corpus import CORPORA
 from .model import neighbour_precision
 from .train import OPTIMIZERS, resolve_switching, train_all_on_gpu, train_switchers, warmup_steps
 
@@ -31,6 +31,16 @@ def parser() -> argparse.ArgumentParser:
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
     p.add_argument("--baseline", action="store_true",
                    help="also time plain PyTorch with the whole tables on the GPU")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf",
+                   help="zipf: word frequencies ~ 1/rank, as in natural text (the default); "
+                        "uniform: near-uniform words (nothing for a cache to keep)")
+    p.add_argument("--engine", choices=["auto", "module", "factories"], default="auto",
+                   help="module: speedtorch_ops.HostEmbedding with a GPU row cache of "
+                        "--cache-mb; factories: SpeedTorch's ModelFactory/OptimizerFactory calls "
+                        "(--switching); auto: module on a GPU, factories on the CPU")
+    p.add_argument("--cache-mb", type=float, default=1200,
+                   help="GPU row cache of the module engine, for both tables together (rows "
+                        "with their optimizer state, and the cache's index)")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
                    default="auto",
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "
@@ -60,7 +70,9 @@ def main(argv=None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
 
-    corpus = Corpus(a.vocab, a.cluster_size, a.tokens)
+    if a.engine == "auto":
+        a.engine = "module" if device.type == "cuda" else "factories"
+    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     table_mb = a.vocab * a.dim * 4 / 2**20
     if a.gpu_budget_mb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -68,11 +80,14 @@ def main(argv=None) -> None:
     print(f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 tables "
           f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
           f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
-          f" ({resolve_switching(a.switching, device)} switching)"
+          f", {a.corpus} corpus, "
+          + ((f"HostEmbedding modules, GPU row cache {a.cache_mb:,.0f} MiB" if device.type == "cuda"
+              else "HostEmbedding modules") if a.engine == "module"
+             else f"factories ({resolve_switching(a.switching, device)} switching)")
           + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 
     r = train_switchers(a, corpus, device)
-    quality = neighbour_precision(r["table"], corpus.cluster)
+    quality = neighbour_precision(r["table"], corpus.cluster, corpus.judged_words())
     chance = (a.cluster_size - 1) / (a.vocab - 1)
     timed = a.steps - warmup_steps(a)
     steps_per_s = timed / r["seconds"]
@@ -84,14 +99,17 @@ def main(argv=None) -> None:
           f"{r['peak_rss'] / 2**20:,.0f} MiB (set-up and training)"
           + (f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB"
              if device.type == "cuda" else ""))
-    print(f"quality: nearest-neighbour precision@5 {quality:.3f} (chance {chance:.4f})")
+    if r["describe"]:
+        print(r["describe"])
+    print(f"quality: nearest-neighbour precision@5 {quality:.3f} of the words seen 50+ times "
+          f"(chance {chance:.4f})")
     if a.baseline and device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.reset_peak_memory_stats(device)
         base = timed / train_all_on_gpu(a, corpus, device)
         print(f"baseline, whole tables on the GPU (SparseAdam): steps/s {base:,.1f}, GPU peak "
               f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; switchers / baseline "
-              f"= {steps_per_s / base:.2f}")
+              f"= {steps_per_s / base:.2f}")  # noqa
     # Judged only when each word was a centre ~20 times (short runs on huge tables time speed).
     if a.steps * a.batch >= 20 * a.vocab and not (r["losses"][-1] < r["losses"][0]
                                                    and quality > 5 * chance):

@@ -28,17 +28,25 @@ class SkipGram(nn.Module):
         return embedding.weight.index_select(0, slots.reshape(-1)).view(*slots.shape, -1)
 
     def forward(self, centre, context, negatives):
-        u = self._lookup(self.u_embeddings, centre)                          # (B, 1, D)
-        pos = (u * self._lookup(self.v_embeddings, context)).sum(-1)         # (B, 1)
-        neg = (u * self._lookup(self.v_embeddings, negatives)).sum(-1)       # (B, N)
-        return -(nn.functional.logsigmoid(pos).mean() + nn.functional.logsigmoid(-neg).sum(1).mean())
+        return skipgram_loss(self._lookup(self.u_embeddings, centre),
+                             self._lookup(self.v_embeddings, context),
+                             self._lookup(self.v_embeddings, negatives))
 
 
-def neighbour_precision(table: torch.Tensor, cluster: np.ndarray, sample: int = 1000, k: int = 5,
-                        seed: int = 0) -> float:
-    """Share of the k nearest neighbours (cosine) of `sample` words that share their cluster."""
+def skipgram_loss(u: Tensor, context: Tensor, negatives: Tensor) -> Tensor:
+    """Negative sampling's loss from the centre rows u (B, 1, D), the context rows (B, 1, D) and
+    the negatives' rows (B, N, D)."""
+    pos = (u * context).sum(-1)                                          # (B, 1)
+    neg = (u * negatives).sum(-1)                                        # (B, N)
+    return -(nn.functional.logsigmoid(pos).mean() + nn.functional.logsigmoid(-neg).sum(1).mean())
+
+
+def neighbour_precision(table: torch.Tensor, cluster: np.ndarray, candidates: np.ndarray,
+                        sample: int = 1000, k: int = 5, seed: int = 0) -> float:
+    """Share of the k nearest neighbours (cosine, among all words) of `sample` words drawn from
+    `candidates` that share their cluster."""
     rng = np.random.default_rng(seed)
-    words = rng.choice(table.shape[0], min(sample, table.shape[0]), replace=False)
+    words = rng.choice(candidates, min(sample, len(candidates)), replace=False)
     emb = torch.nn.functional.normalize(table.float(), dim=1)
     hits = 0
     for chunk in np.array_split(words, max(1, len(words) // 256)):

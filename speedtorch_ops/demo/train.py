@@ -11,14 +11,14 @@ from torch import Tensor
 
 import speedtorch_ops as so
 
-from .model import SkipGram
+from .model import SkipGram, skipgram_loss
 
-OPTIMIZERS = {  # name -> (params, lr, fused) -> optimizer
-    "adam": lambda p, lr, fused: torch.optim.Adam(p, lr=lr, fused=fused),
-    "adamw": lambda p, lr, fused: torch.optim.AdamW(p, lr=lr, fused=fused),
-    "adagrad": lambda p, lr, fused: torch.optim.Adagrad(p, lr=lr * 10, fused=fused),
-    "rmsprop": lambda p, lr, fused: torch.optim.RMSprop(p, lr=lr / 5),  # no fused version
-    "sgd": lambda p, lr, fused: torch.optim.SGD(p, lr=lr * 100, momentum=0.9, fused=fused),
+OPTIMIZERS = {  # name -> (lr, fused) -> (optimizer class, its keyword arguments)
+    "adam": lambda lr, fused: (torch.optim.Adam, dict(lr=lr, fused=fused)),
+    "adamw": lambda lr, fused: (torch.optim.AdamW, dict(lr=lr, fused=fused)),
+    "adagrad": lambda lr, fused: (torch.optim.Adagrad, dict(lr=lr * 10, fused=fused)),
+    "rmsprop": lambda lr, fused: (torch.optim.RMSprop, dict(lr=lr / 5)),  # no fused version
+    "sgd": lambda lr, fused: (torch.optim.SGD, dict(lr=lr * 100, momentum=0.9, fused=fused)),
 }
 
 
@@ -56,7 +56,8 @@ class SwitcherTraining:
     def __init__(self, a, device):
         B, N = a.batch, a.negatives
         self.model = SkipGram(B, B * (1 + N), a.dim).to(device)
-        self.optimizer = OPTIMIZERS[a.optimizer](self.model.parameters(), a.lr, a.fused or None)
+        cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, a.fused or None)
+        self.optimizer = cls(self.model.parameters(), **kwargs)
         self.u_sw = so.ModelFactory(self.model.u_embeddings, a.vocab, a.dim, CPUPinn=True)
         self.v_sw = so.ModelFactory(self.model.v_embeddings, a.vocab, a.dim, CPUPinn=True)
         self.u_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
@@ -120,6 +121,66 @@ class SwitcherTraining:
         return [self.u_sw.CUPYcorpus, self.v_sw.CUPYcorpus, *self.u_opt.CUPYcorpi,
                 *self.v_opt.CUPYcorpi]
 
+    def weight(self) -> Tensor:
+        return self.u_sw.CUPYcorpus
+
+    def rows_per_step(self, a) -> float:
+        """Rows moved per step: every slot's weight and state rows, loaded and written back."""
+        B, N = a.batch, a.negatives
+        return 2 * (B + B * (1 + N)) * (1 + len(self.u_opt.optVarList))
+
+    def describe(self) -> str:
+        return ""
+
+
+class ModuleTraining:
+    """The tables and their optimizer state in host memory behind ``speedtorch_ops.HostEmbedding``
+    modules (pinned on a GPU), each with a GPU row cache of half of ``--cache-mb``: a step moves
+    only the rows the cache misses (and the rows they evict)."""
+
+    def __init__(self, a, device):
+        cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, a.fused or None)
+        cache = int(a.cache_mb * 2**20) // 2 if device.type == "cuda" else 0
+        bound = 0.5 / a.dim
+        self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
+                                           device=device, cache_bytes=cache) for _ in range(2))
+        self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
+        self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
+        self.prefetching = False
+
+    def step(self, batch, following=None) -> Tensor:
+        labels, ctx, negs = (torch.from_numpy(x) for x in batch)
+        u = self.u(labels)
+        vc, vn = self.v(ctx, negs)
+        loss = skipgram_loss(u, vc, vn)
+        loss.backward()
+        self.u.step()
+        self.v.step()
+        return loss.detach()
+
+    def tables(self) -> list:
+        return [self.u.host, self.v.host]
+
+    def weight(self) -> Tensor:
+        return self.u.weight
+
+    def rows_per_step(self, a) -> float:
+        """Rows that crossed the host link per step so far (loads, evictions, write-backs)."""
+        moved = 0
+        for emb in (self.u, self.v):
+            s = emb.cache_stats()
+            steps = max(1, emb.steps)
+            moved += (s["host_bytes"] / emb.host[0].nbytes) / steps
+        return moved
+
+    def describe(self) -> str:
+        parts = []
+        for name, emb in (("u", self.u), ("v", self.v)):
+            s = emb.cache_stats()
+            parts.append(f"{name}: hit rate {s['hit_rate']:.3f}, cache "
+                         f"{s['cache_bytes'] / 2**20:,.0f} MiB")
+        return "; ".join(parts)
+
 
 def timed_steps(a, device, step) -> float:
     """Runs step(i) for i in range(a.steps) and returns the seconds of the steps after the
@@ -141,7 +202,7 @@ def warmup_steps(a) -> int:
 
 
 def train_switchers(a, corpus, device):
-    run = SwitcherTraining(a, device)
+    run = ModuleTraining(a, device) if a.engine == "module" else SwitcherTraining(a, device)
     losses = []
     next_batch = batch_source(a, corpus)
     batch = [next_batch(0)]  # this step's
@@ -154,11 +215,10 @@ def train_switchers(a, corpus, device):
             losses.append(loss)  # read after the run: a read here would wait for the GPU
 
     seconds = timed_steps(a, device, step)
-    B, N = a.batch, a.negatives
-    rows_per_step = 2 * (B + B * (1 + N)) * (1 + len(run.u_opt.optVarList))  # loaded + written
-    return dict(seconds=seconds, losses=[float(x) for x in losses], rows_per_step=rows_per_step,
+    return dict(seconds=seconds, losses=[float(x) for x in losses],
+                rows_per_step=run.rows_per_step(a), describe=run.describe(),
                 peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.u_sw.CUPYcorpus)
+                host_table_bytes=sum(t.nbytes for t in run.tables()), table=run.weight())
 
 
 def train_all_on_gpu(a, corpus, device):

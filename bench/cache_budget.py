@@ -1,0 +1,159 @@
+"""The main job's claim: HostEmbedding with a GPU row cache against plain PyTorch with the whole
+tables on the GPU (nn.Embedding(sparse=True) + SparseAdam), in the same process.
+
+For each cache budget (both tables together, MiB; 0 = no cache) it trains the demo's skip-gram
+(two vocab x dim tables + Adam state in pinned host memory) and reports steps/s, the hit rate
+(and the hit rate of an oracle that pins the rows most used in these very batches in the same
+number of slots), bytes over the host link per step, host time to queue a step on an idle GPU,
+and GPU peak memory; then the baseline, and a pinned memcpy's rate (to say what the moved bytes
+cost at the link's best). Output: a table, cache_budget.json and cache_budget.png in --out.
+
+    python3 bench/cache_budget.py --vocab 4000000 --dim 128 --batch 8192 --budgets 0 300 600 1200 4000
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from speedtorch_ops.demo.corpus import CORPORA
+from speedtorch_ops.demo.train import ModuleTraining, train_all_on_gpu
+
+
+def memcpy_gbps(device, nbytes=256 << 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return nbytes / statistics.median(times[2:]) / 1e6
+
+
+def oracle_hit_rate(batches, slots_per_table) -> float:
+    """Distinct ids per step that fall in the `slots` ids used most across `batches`, per table,
+    both tables pooled (u: centres; v: contexts and negatives)."""
+    hits = total = 0
+    for table, pick in (("u", lambda b: b[0]), ("v", lambda b: np.concatenate([b[1].ravel(),
+                                                                             b[2].ravel()]))):
+        per_step = [np.unique(pick(b).ravel()) for b in batches]
+        ids, counts = np.unique(np.concatenate(per_step), return_counts=True)
+        top = set(ids[np.argsort(-counts)[:slots_per_table]].tolist())
+        for u in per_step:
+            hits += sum(1 for x in u.tolist() if x in top)
+            total += len(u)
+    return hits / total
+
+
+def run_budget(a, corpus, batches, device, budget_mb):
+    a.cache_mb = budget_mb
+    torch.cuda.reset_peak_memory_stats(device)
+    run = ModuleTraining(a, device)
+    for i in range(a.warmup):
+        run.step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    stats0 = [emb.cache_stats() for emb in (run.u, run.v)]
+    start = time.perf_counter()
+    for i in range(a.steps):
+        run.step(batches[(a.warmup + i) % len(batches)])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    stats1 = [emb.cache_stats() for emb in (run.u, run.v)]
+    host = []
+    for i in range(10):  # host time to queue one step, the GPU idle
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run.step(batches[i % len(batches)])
+        host.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    lookups = sum(s1["lookups"] - s0["lookups"] for s0, s1 in zip(stats0, stats1))
+    hits = sum(s1["hits"] - s0["hits"] for s0, s1 in zip(stats0, stats1))
+    moved = sum(s1["host_bytes"] - s0["host_bytes"] for s0, s1 in zip(stats0, stats1))
+    slots = [getattr(emb.store, "slots", 0) for emb in (run.u, run.v)]
+    used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
+    return {"budget_mb": budget_mb, "steps_per_s": a.steps / seconds,
+            "hit_rate": hits / lookups if lookups else 0.0,
+            "oracle_hit_rate": oracle_hit_rate(used, slots[0]) if slots[0] else 0.0,
+            "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
+            "host_ms_per_step": 1e3 * statistics.median(host),
+            "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocab", type=int, default=4_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--cluster-size", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+    p.add_argument("--optimizer", default="adam")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--fused", action="store_true")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0, 300, 600, 1200, 2400])
+    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
+    p.add_argument("--out", default="bench/out")
+    a = p.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
+    batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
+    rows = [run_budget(a, corpus, batches, device, b) for b in a.budgets]
+    a.reuse_batches, a.steps_total = True, a.steps
+    base_args = argparse.Namespace(**{**vars(a), "steps": a.warmup + a.steps})
+    base_args.reuse_batches = True
+    torch.cuda.reset_peak_memory_stats(device)
+    base_seconds = train_all_on_gpu(base_args, corpus, device)
+    base = (base_args.steps - min(10, base_args.steps // 10)) / base_seconds
+    gbps = memcpy_gbps(device)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "args": {k: v for k, v in vars(a).items()}, "memcpy_gbps": gbps,
+              "baseline_steps_per_s": base,
+              "baseline_gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+              "budgets": rows}
+    print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
+          f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
+          f"{base:.1f} steps/s")
+    print(f"{'budget MiB':>10} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+          f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
+    for r in rows:
+        print(f"{r['budget_mb']:>10.0f} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+              f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
+              f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
+              f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
+              f"{r['gpu_peak_mb']:>8.0f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "cache_budget.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["budget_mb"] for r in rows], [r["steps_per_s"] for r in rows], "o-",
+            label="HostEmbedding + GPU row cache")
+    ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
+    ax.set_xlabel("GPU row cache, both tables (MiB)")
+    ax.set_ylabel("steps/s")
+    ax.set_title(f"{a.corpus} skip-gram, {a.vocab:,} x {a.dim} x 2 + Adam, {result['gpu']}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "cache_budget.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
