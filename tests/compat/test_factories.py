@@ -94,6 +94,10 @@ def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain")
     if mode == "colocated":  # before the init methods (they fill the shared tables)
         so.colocate(u_sw, u_opt)
         so.colocate(v_sw, v_opt)
+    if mode == "cached":  # a GPU row cache of 4 rows: evictions every step
+        row = (1 + len(u_opt.optVarList)) * D * 8
+        so.colocate(u_sw, u_opt, cache_bytes=V * 8 + 4 * row)
+        so.colocate(v_sw, v_opt, cache_bytes=V * 8 + 4 * row)
     u_sw.customInit(lambda t: t.copy_(init_u))
     v_sw.customInit(lambda t: t.copy_(init_v))
     u_opt.optInit()
@@ -221,8 +225,10 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
 
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("mode", ["colocated", "prefetch"])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached"])
 def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mode, gen):
+    if mode == "cached" and (device == "cpu" or store == "cpu"):
+        pytest.skip("the row cache is on the GPU, in front of a pinned or CUDA store")
     data = batches(5, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
     init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
@@ -238,13 +244,16 @@ def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mod
 
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("mode", ["colocated", "prefetch"])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached"])
 @pytest.mark.parametrize("opt_name", ["Adam", "Adam-fused", "AdamW", "Adagrad", "RMSprop",
                                       "Rprop", "SparseAdam"])
 def test_colocated_optimizers_equal_lazy_reference(device, store, duplicates, mode, opt_name,
                                                    gen):
-    """Colocated rows, with and without prefetch: the same result as the lazy reference (the
-    duplicate batches repeat rows from step to step, so prefetched rows are patched)."""
+    """Colocated rows, with and without prefetch, and behind a GPU row cache of 4 rows: the
+    same result as the lazy reference (the duplicate batches repeat rows from step to step, so
+    prefetched rows are patched and cached rows hit)."""
+    if mode == "cached" and (device == "cpu" or store == "cpu"):
+        pytest.skip("the row cache is on the GPU, in front of a pinned or CUDA store")
     data = batches(5, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
     init_v = torch.randn(V, D, dtype=torch.float64, generator=gen)
