@@ -260,13 +260,16 @@ def test_cache_trains_like_no_cache(name, slots, gen):
     stats = cached.cache_stats()
     assert stats["hits"] > 0 and stats["evictions"] > 0, stats
     assert stats["hits"] + stats["host_loads"] == stats["lookups"]
-    assert torch.equal(cached.weight, plain.weight)
+    # Equal up to the rounding of the gradient sums of repeated ids (index_add_ on the GPU adds
+    # with atomics, in no fixed order).
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
+    assert close(cached.weight, plain.weight)
     for key, value in plain.state_dict().items():
-        assert torch.equal(cached.state_dict()[key], value), key
+        assert close(cached.state_dict()[key], value), key
     # Trained on after the flush, still equal (the flush keeps the rows cached).
     train(plain, batches[:2], targets[:2], "cuda")
     train(cached, batches[:2], targets[:2], "cuda")
-    assert torch.equal(cached.weight, plain.weight)
+    assert close(cached.weight, plain.weight)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the row cache needs a CUDA GPU (scripts/gpu_check.sh)")
