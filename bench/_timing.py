@@ -1,6 +1,5 @@
-"""Shared by the benchmarks: CUDA-event timing and wall-clock timing (medians after warm-up),
-and the CuPy view of a pinned table (the original SpeedTorch technique), when CuPy is
-installed."""
+"""Shared by the benchmarks: how they time. Medians after warm-up, with CUDA events for work
+that runs on the GPU alone and with a wall clock for work with a host part."""
 
 import statistics
 import time
@@ -37,15 +36,3 @@ def wall(fn, reps, warmup=3):
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[warmup:])
 
-
-def cupy_view(table):
-    """(cupy, a CuPy array over the pinned table's memory via UVA), or None without CuPy."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    dtype = {torch.float32: cupy.float32, torch.bfloat16: None}.get(table.dtype)
-    if dtype is None:
-        return None
-    mem = cupy.cuda.UnownedMemory(table.data_ptr(), table.nbytes, table)
-    return cupy, cupy.ndarray(table.shape, dtype, cupy.cuda.MemoryPointer(mem, 0))

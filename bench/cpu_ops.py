@@ -1,5 +1,5 @@
 """CPU-only: pinned_gather / pinned_scatter against index_select / index_copy_ with the same
-threads, for several row sizes (a machine without a GPU; PERF.md's CPU-only target).
+threads, for several row sizes (runs on a machine without a GPU).
 
     python bench/cpu_ops.py [--rows 1048576] [--batch 131072] [--threads N] [--reps 20]
 """
@@ -7,12 +7,12 @@ threads, for several row sizes (a machine without a GPU; PERF.md's CPU-only targ
 import argparse
 import json
 import os
-import time
 
 import torch
 
 import speedtorch_ops
 from _timing import wall
+from _workloads import generator, random_index
 
 
 def main():
@@ -25,7 +25,7 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     os.makedirs(a.out, exist_ok=True)
-    g = torch.Generator().manual_seed(int(time.time()))
+    g = generator()
     print(f"CPU, {a.threads} threads; batch {a.batch:,} random rows from {a.rows:,}-row tables")
     print(f"{'row bytes':>9} {'gather ms':>10} {'index_select':>12} {'scatter ms':>11} "
           f"{'index_copy_':>11} {'gather x':>9} {'scatter x':>9}")
@@ -33,7 +33,7 @@ def main():
     for dim in (8, 32, 128, 512):
         rows = max(a.batch, a.rows * 128 // dim // 4)  # about the same table bytes per size
         table = torch.randn(rows, dim, generator=g)
-        index = torch.randint(0, rows, (a.batch,), generator=g)
+        index = random_index(rows, a.batch, g)
         src = torch.randn(a.batch, dim, generator=g)
         out = torch.empty(a.batch, dim)
         assert torch.equal(speedtorch_ops.pinned_gather(table, index), table[index])

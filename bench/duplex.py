@@ -16,6 +16,7 @@ import torch
 
 import speedtorch_ops as so
 from _timing import timed, wall
+from _workloads import beside, generator, hybrid_share, pinned_table, random_index, unique_index
 
 
 def main() -> None:
@@ -25,12 +26,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=49_152)
     p.add_argument("--reps", type=int, default=20)
     a = p.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    tables = [so.empty_pinned((a.rows_per_table, a.dim), torch.float32) for _ in range(3)]
-    for t in tables:
-        t.normal_(generator=gen)
-    load_cpu = torch.randint(0, a.rows_per_table, (a.batch,), generator=gen)
-    wb_cpu = torch.randperm(a.rows_per_table, generator=gen)[:a.batch]
+    gen = generator(0)
+    tables = [pinned_table((a.rows_per_table, a.dim), gen) for _ in range(3)]
+    load_cpu = random_index(a.rows_per_table, a.batch, gen)
+    wb_cpu = unique_index(a.rows_per_table, a.batch, gen)
     load, wb = load_cpu.cuda(), wb_cpu.cuda()
     batch = [torch.randn(a.batch, a.dim, device="cuda") for _ in range(3)]
     out = [torch.empty_like(b) for b in batch]
@@ -48,13 +47,6 @@ def main() -> None:
         for s, b in zip(staging, batch):
             s.copy_(b, non_blocking=True)
 
-    def load_and_dma():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            dma_down()
-        zc_load()
-        torch.cuda.current_stream().wait_stream(side)
-
     def cpu_scatter():
         so.optimizer_state_swap(tables, staging, wb_cpu, None)
 
@@ -69,29 +61,24 @@ def main() -> None:
           f"per table each way ({nbytes / 1e6:.1f} MB each way), {torch.get_num_threads()} threads")
     for name, fn in [("zero-copy load", zc_load), ("zero-copy write-back", zc_writeback),
                      ("DMA of the write-back rows to staging", dma_down),
-                     ("zero-copy load + DMA down at once", load_and_dma),
+                     ("zero-copy load + DMA down at once", beside(side, zc_load, dma_down)),
                      ("zero-copy load, one call per table",
                       lambda: [so.optimizer_state_swap([t], [o], None, load)
                                for t, o in zip(tables, out)]),
                      ("zero-copy write-back then load", lambda: (zc_writeback(), zc_load()))]:
         ms = timed(fn, a.reps)
         print(f"  {name:42s} {ms:7.3f} ms  {nbytes / ms / 1e6:6.1f} GB/s per direction")
-    def hybrid_writeback(share):
-        def go():
-            previous = torch.ops.speedtorch_ops._set_hybrid_share(share)
-            try:
-                so.optimizer_state_swap(tables, batch, wb_cpu, None)
-            finally:
-                torch.ops.speedtorch_ops._set_hybrid_share(previous)
-        return go
+
+    def hybrid_writeback():
+        so.optimizer_state_swap(tables, batch, wb_cpu, None)
 
     for name, fn in [("CPU scatter of staged rows, one swap (wall)", cpu_scatter),
                      ("CPU scatter, one pinned_scatter per table", lambda: [
                          so.pinned_scatter(t, wb_cpu, s) for t, s in zip(tables, staging)]),
                      ("zero-copy load beside the CPU scatter", load_beside_cpu_scatter),
-                     ("hybrid write-back, share 0 (DMA + CPU)", hybrid_writeback(0.0)),
-                     ("hybrid write-back, share 0.5", hybrid_writeback(0.5)),
-                     ("hybrid write-back, tuned", hybrid_writeback(-1.0))]:
+                     ("hybrid write-back, share 0 (DMA + CPU)", hybrid_share(0.0, hybrid_writeback)),
+                     ("hybrid write-back, share 0.5", hybrid_share(0.5, hybrid_writeback)),
+                     ("hybrid write-back, tuned", hybrid_share(-1.0, hybrid_writeback))]:
         ms = wall(fn, a.reps)
         print(f"  {name:42s} {ms:7.3f} ms")
 

@@ -10,12 +10,12 @@ against plain PyTorch indexing before it is timed. Writes a table and seed_table
 import argparse
 import json
 import os
-import time
 
 import torch
 
 import speedtorch_ops
-from _timing import cupy_view, timed
+from _timing import timed
+from _workloads import cupy_paths, generator, pinned_table, pytorch_recipe, random_index
 
 
 def main():
@@ -29,12 +29,11 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(int(time.time()))
+    g = generator()
 
-    table = speedtorch_ops.empty_pinned((a.rows, a.dim), torch.float32)
-    table.copy_(torch.randn(a.rows, a.dim, generator=g))
+    table = pinned_table((a.rows, a.dim), g)
     gpu_table = table.to(dev)
-    idx_cpu = torch.randint(0, a.rows, (a.batch,), generator=g)
+    idx_cpu = random_index(a.rows, a.batch, g)
     idx = idx_cpu.to(dev)
     var = torch.empty(a.batch, a.dim, device=dev)
     staging = torch.empty(a.batch, a.dim, pin_memory=True)
@@ -75,20 +74,13 @@ def main():
         timed(lambda: torch.index_select(gpu_table, 0, idx, out=var), a.reps),
         timed(lambda: gpu_table.index_copy_(0, idx, var), a.reps))
 
-    cp = cupy_view(table)
-    if cp is not None:
-        cupy, arr = cp
-        cidx = cupy.asarray(idx)
-        cvar = cupy.asarray(var)  # shares var's memory
-        def cupy_to():
-            cvar[...] = arr[cidx]
-        def cupy_from():
-            arr[cidx] = cvar
-        cupy_to()
+    cupy = cupy_paths(table, idx, var)
+    if cupy is not None:
+        cupy[0]()
         torch.cuda.synchronize()
         check_to_var("cupy")
-        row("CuPy technique (CuPy array over the pinned table)", timed(cupy_to, a.reps),
-            timed(cupy_from, a.reps))
+        row("CuPy technique (CuPy array over the pinned table)", timed(cupy[0], a.reps),
+            timed(cupy[1], a.reps))
 
     for threads in a.threads:
         torch.set_num_threads(threads)
@@ -100,12 +92,7 @@ def main():
         row(f"speedtorch_ops pinned store, CPU index (hybrid), {threads} threads",
             timed(lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var), a.reps, 12),
             timed(lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), a.reps, 12))
-        def recipe_to():
-            torch.index_select(table, 0, idx_cpu, out=staging)
-            var.copy_(staging, non_blocking=True)
-        def recipe_from():
-            staging.copy_(var)
-            table.index_copy_(0, idx_cpu, staging)
+        recipe_to, recipe_from = pytorch_recipe(table, idx_cpu, var, staging)
         recipe_to()
         torch.cuda.synchronize()
         check_to_var("recipe")

@@ -20,7 +20,8 @@ import time
 import torch
 
 import speedtorch_ops
-from _timing import cupy_view, timed
+from _timing import timed
+from _workloads import cupy_paths, generator, memcpy_paths, pytorch_recipe, random_index
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -30,7 +31,7 @@ class Bench:
     def __init__(self, a):
         self.a = a
         self.dev = torch.device("cuda")
-        self.gen = torch.Generator().manual_seed(int(time.time()))
+        self.gen = generator()
         self.points = []
         self._memcpy = {}
         # One pinned buffer; every table is a prefix of it viewed with its row width. Filled with
@@ -53,16 +54,12 @@ class Bench:
     def memcpy_ms(self, nbytes, to_device=True):
         key = (nbytes, to_device)
         if key not in self._memcpy:
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
-            fn = (lambda: dev.copy_(host, non_blocking=True)) if to_device else (
-                lambda: host.copy_(dev, non_blocking=True))
-            self._memcpy[key] = timed(fn, self.a.reps)
+            h2d, d2h = memcpy_paths(nbytes, self.dev)
+            self._memcpy[key] = timed(h2d if to_device else d2h, self.a.reps)
         return self._memcpy[key]
 
     def index(self, rows, n, order):
-        idx = torch.randint(0, rows, (n,), generator=self.gen)
-        return idx.sort().values if order == "sorted" else idx
+        return random_index(rows, n, self.gen, order)
 
     def point(self, group, table, n, order="random", scatter=False, extra=None):
         """Times every path for one configuration (gather, and the scatter when asked)."""
@@ -73,7 +70,6 @@ class Bench:
         var = torch.empty((n, *table.shape[1:]), dtype=table.dtype, device=self.dev)
         staging = torch.empty(var.shape, dtype=table.dtype, pin_memory=True)
         expected = table[idx_cpu]
-        cp = cupy_view(table)
 
         def check(name, fn):
             var.zero_()
@@ -88,21 +84,11 @@ class Bench:
                                 lambda: speedtorch_ops.pinned_scatter(table, idx, var), 3),
             "ours_cpu_index": (lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var),
                                lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), 12),
-            "pytorch_recipe": (lambda: (torch.index_select(table, 0, idx_cpu, out=staging),
-                                        var.copy_(staging, non_blocking=True)),
-                               lambda: (staging.copy_(var), table.index_copy_(0, idx_cpu, staging)),
-                               3),
+            "pytorch_recipe": (*pytorch_recipe(table, idx_cpu, var, staging), 3),
         }
-        if cp is not None:
-            cupy, arr = cp
-            cidx, cvar = cupy.asarray(idx), cupy.asarray(var)
-
-            def plain_to():
-                cvar[...] = arr[cidx]
-
-            def plain_from():
-                arr[cidx] = cvar
-            paths["plain_zero_copy"] = (plain_to, plain_from, 3)
+        cupy = cupy_paths(table, idx, var)
+        if cupy is not None:
+            paths["plain_zero_copy"] = (*cupy, 3)
         result = {"group": group, "span_gib": table.nbytes / GIB, "row_bytes": rb, "n": n,
                   "order": order, "dtype": str(table.dtype).replace("torch.", ""),
                   "bytes": n * rb, "gather_ms": {}, "scatter_ms": {}}
@@ -160,7 +146,7 @@ class Bench:
 
     def gpu_resident(self, span_bytes, rb, n):
         table = self.table(span_bytes, rb).to(self.dev)
-        idx = torch.randint(0, table.shape[0], (n,), generator=self.gen).to(self.dev)
+        idx = random_index(table.shape[0], n, self.gen).to(self.dev)
         var = torch.empty(n, table.shape[1], device=self.dev)
         speedtorch_ops.pinned_gather_into(table, idx, var)
         assert torch.equal(var, table[idx])

@@ -1,0 +1,103 @@
+"""Shared by the benchmarks: the tables and indices they time, and the other ways of doing the
+same job that they are compared with (the PCIe memcpy of the same bytes, the best plain-PyTorch
+recipe, the original SpeedTorch technique through CuPy)."""
+
+import time
+
+import torch
+
+import speedtorch_ops
+
+
+def generator(seed=None):
+    """A CPU generator; by default seeded from the clock, so repeated runs draw new rows and a
+    number that holds only for one draw shows up as run-to-run spread."""
+    return torch.Generator().manual_seed(int(time.time()) if seed is None else seed)
+
+
+def random_index(rows, n, gen, order="random"):
+    """`n` ids drawn uniformly from `rows` (duplicates included, like a training batch); sorted
+    with order="sorted"."""
+    idx = torch.randint(0, rows, (n,), generator=gen)
+    return idx.sort().values if order == "sorted" else idx
+
+
+def unique_index(rows, n, gen):
+    """`n` distinct ids: a write-back, where each row is written once."""
+    return torch.randperm(rows, generator=gen)[:n]
+
+
+def pinned_table(shape, gen, dtype=torch.float32):
+    """A pinned host table of random values (exactly its bytes: empty_pinned)."""
+    table = speedtorch_ops.empty_pinned(shape, dtype)
+    table.normal_(generator=gen)
+    return table
+
+
+def memcpy_paths(nbytes, device):
+    """(to the device, to the host): a plain pinned <-> device copy of `nbytes`, the PCIe limit
+    any indexed transfer of the same bytes is measured against."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return (lambda: dev.copy_(host, non_blocking=True),
+            lambda: host.copy_(dev, non_blocking=True))
+
+
+def pytorch_recipe(table, idx_cpu, var, staging):
+    """(gather, scatter) the best plain-PyTorch way: index_select into pinned staging, then an
+    async copy to the device; back: copy down, then index_copy_."""
+    def to_var():
+        torch.index_select(table, 0, idx_cpu, out=staging)
+        var.copy_(staging, non_blocking=True)
+
+    def from_var():
+        staging.copy_(var)
+        table.index_copy_(0, idx_cpu, staging)
+    return to_var, from_var
+
+
+def cupy_paths(table, idx, var):
+    """(gather, scatter) the original SpeedTorch way: a CuPy array over the pinned table's memory
+    (UVA) indexed by CuPy, unsorted. None without CuPy or for a dtype CuPy lacks."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    dtype = {torch.float32: cupy.float32}.get(table.dtype)
+    if dtype is None:
+        return None
+    mem = cupy.cuda.UnownedMemory(table.data_ptr(), table.nbytes, table)
+    arr = cupy.ndarray(table.shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+    cidx, cvar = cupy.asarray(idx), cupy.asarray(var)  # cvar shares var's memory
+
+    def to_var():
+        cvar[...] = arr[cidx]
+
+    def from_var():
+        arr[cidx] = cvar
+    return to_var, from_var
+
+
+def beside(side, first, second):
+    """A function that queues second() on the stream `side` and first() on the current stream
+    (GPU work, or host work that runs meanwhile), and returns when both are queued with the
+    current stream waiting for `side`: time it to see whether the two overlap."""
+    def run():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            second()
+        first()
+        torch.cuda.current_stream().wait_stream(side)
+    return run
+
+
+def hybrid_share(share, fn):
+    """fn() with the hybrid path's zero-copy share fixed (0: all CPU threads + DMA; a negative
+    value: tuned, the default), restored afterwards."""
+    def run():
+        previous = torch.ops.speedtorch_ops._set_hybrid_share(share)
+        try:
+            fn()
+        finally:
+            torch.ops.speedtorch_ops._set_hybrid_share(previous)
+    return run
