@@ -1,7 +1,7 @@
 """The SpeedTorch 0.1.6-compatible classes, built only on the ops (no CuPy).
 
 Same class names, constructor signatures (positional order and defaults), method names and the
-attribute names users touch. What is fixed on purpose (see the README's porting guide): modern
+attribute names users touch. What is fixed on purpose (see docs/porting.md): modern
 optimizers work, the optimizer's parameter is found by identity, duplicate ids lose no update
 (the rule is in ``training.plan``), indices are bounds-checked, transfers are ordered on the current
 stream with no device-wide synchronization, optimizer state can be saved and loaded, loads check

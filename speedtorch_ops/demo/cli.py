@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="SMs the transfer kernels may use (0: all). Capped, the loads and "
                         "write-backs of the two tables run beside each other and beside the "
                         "training kernels; on the H100, 16 SMs move rows as fast as all 132 "
-                        "(bench/probes/overlap.py) and the demo steps faster")
+                        "(bench/layout.py) and the demo steps faster")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     return p
