@@ -216,7 +216,8 @@ class CachedRows(HostRows):
         rows, order = torch.sort(key)
         count = (ids >= 0).sum().view(1)
         self._move(self.cache.unbind(0), rows, order, count, load=False)
-        torch.cuda.current_stream(self.device).synchronize()
+        if self.device.type == "cuda":  # the host reads the table next
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class CachedPositions(RowStore):

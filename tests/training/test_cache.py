@@ -1,0 +1,53 @@
+"""The row cache's logic (CachedRows), on whatever device is here: a module whose store is a
+small cache trains exactly like one without (float64), the map and the slots agree after every
+step, the counts add up, and a flush makes the host table complete. On the CPU the cache is of
+no use for speed, but its decisions are the same tensor operations as on the GPU."""
+
+import pytest
+import torch
+
+import speedtorch_ops as so
+from speedtorch_ops.training.cache import CachedRows
+from conftest import HAS_CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+OPTIMIZERS = [(torch.optim.Adam, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+              (torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01})]
+
+
+def check_map(store: CachedRows) -> None:
+    ids = store.id_of[:-1].cpu()
+    slot_of = store.slot_of[:-1].cpu()
+    held = (ids >= 0).nonzero().view(-1)
+    assert torch.equal(slot_of[ids[held]].long(), held)          # each slot's row maps back
+    assert int((slot_of >= 0).sum()) == held.numel()              # and nothing else is mapped
+    assert len(set(ids[held].tolist())) == held.numel()           # a row in one slot at most
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("opt", range(len(OPTIMIZERS)))
+@pytest.mark.parametrize("slots", [3, 12, 30])
+def test_small_caches_train_like_no_cache(device, opt, slots, gen):
+    cls, kwargs = OPTIMIZERS[opt]
+    init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
+    plain = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+                                             device=device)
+    cached = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+                                              device=device)
+    cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3)
+    for _ in range(10):
+        ids = torch.randint(0, 40, (4, 6), generator=gen)
+        hot = torch.randint(0, 6, (4, 6), generator=gen)
+        ids = torch.where(torch.rand((4, 6), generator=gen) < 0.6, hot, ids)  # skewed, repeated
+        target = torch.randn(4, 6, 5, dtype=torch.float64, generator=gen)
+        for emb in (plain, cached):
+            ((emb(ids.to(device)) * target.to(device)).sum(-1) - 1).pow(2).sum().backward()
+            emb.step()
+        check_map(cached.store)
+    stats = cached.cache_stats()
+    assert stats["hits"] > 0 and stats["hits"] + stats["host_loads"] == stats["lookups"]
+    assert stats["host_loads"] == stats["evictions"] + stats["direct_writebacks"] + int(
+        (cached.store.id_of[:-1] >= 0).sum())  # every row loaded is cached or went back
+    tol = 0 if device == "cpu" else 1e-12  # GPU gradient sums of repeated ids use atomics
+    for key, value in plain.state_dict().items():
+        assert torch.allclose(cached.state_dict()[key], value, rtol=tol, atol=tol), key
