@@ -134,6 +134,11 @@ int64_t pin_storage_pieces_cpu(at::Tensor& self, int64_t piece_bytes, int64_t ma
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       unpin(storage);
+      // No GPU is not a memory problem: say so rather than blame the memlock limit.
+      TORCH_CHECK(err != cudaErrorNoDevice && err != cudaErrorInsufficientDriver &&
+                      err != cudaErrorInitializationError,
+                  "cannot pin memory without a usable CUDA device (", cudaGetErrorName(err), ": ",
+                  cudaGetErrorString(err), "); pass pin=False on machines without a GPU");
       TORCH_CHECK(false, "cudaHostRegister refused ", end - begin, " bytes at offset ", begin,
                   " of a ", nbytes, "-byte table (", cudaGetErrorName(err), ": ",
                   cudaGetErrorString(err), "); the pieces registered before were unregistered, "

@@ -7,18 +7,22 @@ tables of ``PROGRESS_MIN_BYTES`` or more shows a progress bar (tqdm, when instal
 caller passes ``progress=False``."""
 
 import os
-import resource
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-# The most bytes one cudaHostRegister call pins: drivers refuse or stall on single registrations
-# of tens of GiB, and pieces give the progress bar its steps.
+try:
+    import resource
+except ImportError:  # not on Windows, where there is no memlock limit to report
+    resource = None
+
+# The most bytes one cudaHostRegister call pins: a driver may refuse one registration of tens of
+# GiB that it accepts in pieces, and pieces give the progress bar its steps.
 PIECE_BYTES = 1 << 30
 # Work on this many bytes or more shows a progress bar by default.
 PROGRESS_MIN_BYTES = 1 << 30
-# Initialising and streaming work in chunks of this many bytes (the only memory they add).
+# Initialising, copying and streaming go this many bytes at a time (a progress bar's step).
 CHUNK_BYTES = 64 << 20
 
 
@@ -54,7 +58,9 @@ def _gib(nbytes: Union[int, float]) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def _memlock_text(limit: int) -> str:
+def _memlock_text(limit: Optional[int]) -> str:
+    if limit is None:
+        return "unknown"
     return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes ({_gib(limit)})"
 
 
@@ -72,7 +78,10 @@ def _mem_available() -> Optional[int]:
 def pin_failure_message(nbytes: int, cause: BaseException) -> str:
     """The error pin_ raises when the driver refuses to page-lock ``nbytes``: the size, the
     locked-memory limit (RLIMIT_MEMLOCK), the memory available and the fixes."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if resource is None:
+        soft = hard = None
+    else:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     available = _mem_available()
     avail = "unknown" if available is None else _gib(available)
     return (f"could not pin a table of {nbytes} bytes ({_gib(nbytes)}): {cause}. "
