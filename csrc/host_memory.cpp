@@ -76,11 +76,13 @@ bool registered_elsewhere(void* ptr) {
 }
 #endif
 
+#ifndef SPEEDTORCH_OPS_WITH_CUDA
 [[noreturn]] void fail_without_cuda() {
   TORCH_CHECK(false,
               "speedtorch_ops was built without CUDA, so it cannot pin memory; rebuild with a "
               "CUDA build of torch and nvcc available (and SPEEDTORCH_OPS_CPU_ONLY unset)");
 }
+#endif
 }  // namespace
 
 // Registers up to max_pieces more pieces of self's storage (continuing where an earlier call
