@@ -1,47 +1,179 @@
-"""Pinned host memory for tables: made, pinned in place, or loaded from .npy, without a second
-full-size copy, and costing the table's bytes (torch's pinned allocator rounds large blocks up to
-a power of two, so a 5 GiB table would hold 8 GiB)."""
+"""Pinned host memory for tables: made, pinned in place, initialised or loaded from .npy, without a
+second full-size copy, and costing the table's bytes (torch's pinned allocator rounds large blocks
+up to a power of two, so a 5 GiB table would hold 8 GiB).
 
-from typing import Sequence, Union
+Tables of tens of GiB are pinned in pieces (one ``cudaHostRegister`` per piece), and work on
+tables of ``PROGRESS_MIN_BYTES`` or more shows a progress bar (tqdm, when installed) unless the
+caller passes ``progress=False``."""
 
-import numpy as np
+import os
+from typing import Callable, Optional, Sequence, Union
+
 import torch
 from torch import Tensor
 
+try:
+    import resource
+except ImportError:  # not on Windows, where there is no memlock limit to report
+    resource = None
 
-def pin_(tensor: Tensor) -> Tensor:
+# The most bytes one cudaHostRegister call pins: a driver may refuse one registration of tens of
+# GiB that it accepts in pieces, and pieces give the progress bar its steps.
+PIECE_BYTES = 1 << 30
+# Work on this many bytes or more shows a progress bar by default.
+PROGRESS_MIN_BYTES = 1 << 30
+# Initialising, copying and streaming go this many bytes at a time (a progress bar's step).
+CHUNK_BYTES = 64 << 20
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total_bytes: int, desc: str, progress: Optional[bool] = None):
+    """A tqdm bar counting ``total_bytes`` (call ``update(n)``, then ``close()``), or a bar that
+    shows nothing: when ``progress`` is False, when it is None and the work is smaller than
+    ``PROGRESS_MIN_BYTES``, or when tqdm is not installed."""
+    if progress is None:
+        progress = total_bytes >= PROGRESS_MIN_BYTES
+    if not progress:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional
+        return _NoBar()
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                mininterval=0.5)
+
+
+def _storage_nbytes(tensor: Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def _gib(nbytes: Union[int, float]) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _memlock_text(limit: Optional[int]) -> str:
+    if limit is None:
+        return "unknown"
+    return "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes ({_gib(limit)})"
+
+
+def _mem_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pin_failure_message(nbytes: int, cause: BaseException) -> str:
+    """The error pin_ raises when the driver refuses to page-lock ``nbytes``: the size, the
+    locked-memory limit (RLIMIT_MEMLOCK), the memory available and the fixes."""
+    if resource is None:
+        soft = hard = None
+    else:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    available = _mem_available()
+    avail = "unknown" if available is None else _gib(available)
+    return (f"could not pin a table of {nbytes} bytes ({_gib(nbytes)}): {cause}. "
+            f"The locked-memory limit (RLIMIT_MEMLOCK, `ulimit -l`) is {_memlock_text(soft)} "
+            f"(hard limit {_memlock_text(hard)}); the machine has {avail} available. "
+            "Fix: raise the limit for the process that pins (`ulimit -l unlimited` in its shell; "
+            "`docker run --ulimit memlock=-1`; `LimitMEMLOCK=infinity` for a systemd service; "
+            "`memlock` in /etc/security/limits.conf), free host memory, or make the table "
+            "smaller. Nothing was left pinned.")
+
+
+def pin_(tensor: Tensor, piece_bytes: Optional[int] = None,
+         progress: Optional[bool] = None) -> Tensor:
     """Page-lock ``tensor``'s CPU storage in place (no copy) and return ``tensor``.
 
-    The storage stays pinned until it is freed. Needs a CUDA build and a CUDA device."""
+    The storage is registered in pieces of at most ``piece_bytes`` (default ``PIECE_BYTES``);
+    it stays pinned until it is freed (or ``unpin_``). When the driver refuses (the memlock
+    limit, or memory), a RuntimeError names the size, the limit and the fix, and nothing is left
+    pinned. ``progress``: a bar (default: for ``PROGRESS_MIN_BYTES`` or more). Needs a CUDA build
+    and a CUDA device."""
     if not tensor.is_contiguous():
         raise ValueError("pin_: tensor must be contiguous (pin the table itself, not a view)")
-    torch.ops.speedtorch_ops._pin_storage_.default(tensor)
+    piece = PIECE_BYTES if piece_bytes is None else int(piece_bytes)
+    if piece <= 0:
+        raise ValueError(f"pin_: piece_bytes must be > 0, got {piece}")
+    nbytes = _storage_nbytes(tensor)
+    bar = progress_bar(nbytes, "pinning", progress)
+    done = 0
+    try:
+        while True:
+            now = torch.ops.speedtorch_ops._pin_storage_pieces_.default(tensor, piece, 1)
+            bar.update(now - done)
+            done = now
+            if done >= nbytes:
+                return tensor
+    except BaseException as e:
+        # Also on KeyboardInterrupt between pieces: never leave a table half-pinned.
+        torch.ops.speedtorch_ops._unpin_storage_.default(tensor)
+        if isinstance(e, RuntimeError) and "cudaHostRegister refused" in str(e):
+            raise RuntimeError(pin_failure_message(nbytes, e)) from e
+        raise
+    finally:
+        bar.close()
+
+
+def unpin_(tensor: Tensor) -> Tensor:
+    """Unregister the storage that ``pin_`` / ``empty_pinned`` pinned (the memory and data stay);
+    a no-op for memory they did not pin. Returns ``tensor``."""
+    torch.ops.speedtorch_ops._unpin_storage_.default(tensor)
     return tensor
 
 
 def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32,
-                 pin: bool = True) -> Tensor:
+                 pin: bool = True, *, piece_bytes: Optional[int] = None,
+                 progress: Optional[bool] = None) -> Tensor:
     """An uninitialised contiguous CPU table of ``shape``; page-locked when ``pin`` (the default),
-    so CUDA indices read it in place. ``pin=False`` gives ordinary memory (CPU-only machines)."""
+    so CUDA indices read it in place. ``pin=False`` gives ordinary memory (CPU-only machines).
+    ``piece_bytes`` and ``progress`` as in ``pin_``."""
     table = torch.empty(shape, dtype=dtype, device="cpu")
-    return pin_(table) if pin else table
+    return pin_(table, piece_bytes=piece_bytes, progress=progress) if pin else table
 
 
-def load_npy(path: str, pin: bool = True, chunk_bytes: int = 256 << 20) -> Tensor:
-    """Load a ``.npy`` file straight into a (pinned) table: the file is memory-mapped and copied
-    in chunks, so the host never holds a second full copy."""
-    # Copy-on-write mapping: writable for torch.from_numpy, and nothing is ever written to it.
-    src = np.load(path, mmap_mode="c")
-    if src.dtype.byteorder == ">" or not src.flags.c_contiguous:
-        raise ValueError(f"load_npy: {path} must hold a little-endian, C-ordered array; re-save it "
-                         "with np.save(path, np.ascontiguousarray(a, dtype=a.dtype.newbyteorder('<')))")
-    dtype = torch.from_numpy(np.empty(0, dtype=src.dtype)).dtype
-    table = empty_pinned(src.shape, dtype, pin=pin)
-    flat_src, flat_dst = src.reshape(-1), table.view(-1)
-    step = max(1, chunk_bytes // src.itemsize)
-    for start in range(0, flat_src.size, step):
-        flat_dst[start:start + step].copy_(torch.from_numpy(flat_src[start:start + step]))
+def initialize_(table: Tensor, init: Callable[[Tensor], object], *,
+                progress: Optional[bool] = None, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
+    """Apply the in-place ``init`` (e.g. ``lambda t: t.normal_(0, 0.1)``) to ``table`` one chunk
+    of about ``chunk_bytes`` at a time (whole rows, ``init`` gets a contiguous view), with a
+    progress bar for large tables. Random initialisers draw the same numbers for the same seed
+    and ``chunk_bytes``. Returns ``table``."""
+    if not table.is_contiguous():
+        raise ValueError("initialize_: table must be contiguous")
+    if table.numel() == 0:
+        return table
+    rows = table.view(1, *table.shape) if table.dim() == 0 else table
+    row_bytes = max(1, rows[0].numel() * rows.element_size())
+    step = max(1, chunk_bytes // row_bytes)
+    bar = progress_bar(rows.numel() * rows.element_size(), "initialising", progress)
+    try:
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start:start + step]
+            init(chunk)
+            bar.update(chunk.numel() * chunk.element_size())
+    finally:
+        bar.close()
     return table
+
+
+def load_npy(path: Union[str, os.PathLike], pin: bool = True, chunk_bytes: int = CHUNK_BYTES,
+             progress: Optional[bool] = None) -> Tensor:
+    """Load a ``.npy`` file straight into a new (pinned) table, read in chunks, so the host never
+    holds a second copy (see ``speedtorch_ops.io.load_npy``, which also loads in place)."""
+    from .io import load_npy as _load_npy  # io builds on this module
+    return _load_npy(path, pin=pin, chunk_bytes=chunk_bytes, progress=progress)
 
 
 def is_zero_copy_usable(table: Tensor) -> bool:
