@@ -87,6 +87,22 @@ def run_budget(a, corpus, batches, device, budget_mb):
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
+def profile_steps(a, batches, device) -> None:
+    """torch.profiler over 10 steps at budget a.profile: the GPU time per op, top 25."""
+    from torch.profiler import ProfilerActivity, profile
+    a.cache_mb = a.profile
+    run = ModuleTraining(a, device)
+    for i in range(30):
+        run.step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(10):
+            run.step(batches[(30 + i) % len(batches)])
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vocab", type=int, default=4_000_000)
@@ -103,18 +119,24 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
+    p.add_argument("--profile", type=float, default=None, metavar="MB",
+                   help="also profile 10 steps at this budget (torch.profiler, top GPU ops)")
+    p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
     rows = [run_budget(a, corpus, batches, device, b) for b in a.budgets]
-    a.reuse_batches, a.steps_total = True, a.steps
-    base_args = argparse.Namespace(**{**vars(a), "steps": a.warmup + a.steps})
-    base_args.reuse_batches = True
-    torch.cuda.reset_peak_memory_stats(device)
-    base_seconds = train_all_on_gpu(base_args, corpus, device)
-    base = (base_args.steps - min(10, base_args.steps // 10)) / base_seconds
+    if a.profile is not None:
+        profile_steps(a, batches, device)
+    base = float("nan")
+    if not a.no_baseline:
+        base_args = argparse.Namespace(**{**vars(a), "steps": a.warmup + a.steps,
+                                          "reuse_batches": True})
+        torch.cuda.reset_peak_memory_stats(device)
+        base_seconds = train_all_on_gpu(base_args, corpus, device)
+        base = (base_args.steps - min(10, base_args.steps // 10)) / base_seconds
     gbps = memcpy_gbps(device)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
