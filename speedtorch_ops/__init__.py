@@ -18,7 +18,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
     ) from e
 
 from .modules import HostEmbedding, HostEmbeddingBag
-from .memory import empty_pinned, is_zero_copy_usable, load_npy, pin_
+from . import io
+from .memory import empty_pinned, initialize_, is_zero_copy_usable, load_npy, pin_, unpin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
 from .compat import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
@@ -37,6 +38,9 @@ __all__ = [
     "inductor_options",
     "empty_pinned",
     "pin_",
+    "unpin_",
+    "initialize_",
+    "io",
     "load_npy",
     "is_zero_copy_usable",
     "colocate",

@@ -129,14 +129,22 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
                          "save_safetensors, or convert it first") from None
 
 
-def save_npy(table: Tensor, path: PathLike, *, progress: Optional[bool] = None,
+def save_npy(table, path: PathLike, *, progress: Optional[bool] = None,
              chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write ``table`` to ``path`` as a ``.npy`` file (readable by ``np.load``), streamed from
-    the table's memory and atomic (a temporary file renamed over ``path``). Unlike ``np.save``,
-    ``path`` gets no ``.npy`` suffix added."""
-    header = {"descr": np.lib.format.dtype_to_descr(_numpy_dtype(table.dtype)),
-              "fortran_order": False, "shape": tuple(table.shape)}
-    nbytes = table.numel() * table.element_size()
+    the table's memory and atomic (a temporary file renamed over ``path``). A list of tables of
+    one shape and dtype is written as their stack (k, *shape) without stacking them in memory.
+    Unlike ``np.save``, ``path`` gets no ``.npy`` suffix added."""
+    tables = list(table) if isinstance(table, (list, tuple)) else [table]
+    if not tables or any(t.shape != tables[0].shape or t.dtype != tables[0].dtype
+                         for t in tables):
+        raise ValueError("save_npy: table must be a tensor or a non-empty list of tensors of one "
+                         "shape and dtype")
+    shape = tuple(tables[0].shape) if not isinstance(table, (list, tuple)) else (
+        len(tables), *tables[0].shape)
+    header = {"descr": np.lib.format.dtype_to_descr(_numpy_dtype(tables[0].dtype)),
+              "fortran_order": False, "shape": shape}
+    nbytes = sum(t.numel() * t.element_size() for t in tables)
     bar = progress_bar(nbytes, "saving", progress)
     try:
         with atomic_write(path) as f:
@@ -144,7 +152,8 @@ def save_npy(table: Tensor, path: PathLike, *, progress: Optional[bool] = None,
                 np.lib.format.write_array_header_1_0(f, header)
             except ValueError:  # a header too long for version 1.0
                 np.lib.format.write_array_header_2_0(f, header)
-            _write_tensor(f, table, chunk_bytes, bar)
+            for t in tables:
+                _write_tensor(f, t, chunk_bytes, bar)
     finally:
         bar.close()
 

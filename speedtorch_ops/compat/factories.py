@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..memory import load_npy, pin_
+from .. import io
+from ..memory import initialize_, load_npy, pin_
 from ..training import optim_state
 from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
                                   next_free_name, resolve_dtype)
@@ -100,28 +101,48 @@ class _TableMethods:
         return np.array(self._stacked(), copy=True)
 
     def saveCupy(self, saveFileName: str) -> None:
-        """Save as NumPy ``.npy`` (NumPy appends ``.npy`` when missing)."""
-        np.save(saveFileName, self._stacked())
-
-    def loadCupy(self, loadFileName: str) -> None:
-        """Load a ``.npy`` written by saveCupy into the existing store (shape and dtype checked)."""
-        self._load_into(torch.from_numpy(np.load(loadFileName, mmap_mode="c")), loadFileName)
-
-    def saveTorch(self, saveFileName: str) -> None:
+        """Save as NumPy ``.npy`` (``.npy`` appended when missing, as NumPy does): streamed from
+        the tables (no second copy in memory) and atomic (a killed save leaves the old file)."""
+        name = str(saveFileName)
         self._settle()
         tables = self._tables()
-        torch.save(list(tables) if self._listed else tables[0], saveFileName)
+        io.save_npy(tables if self._listed else tables[0],
+                    name if name.endswith(".npy") else name + ".npy")
+
+    def loadCupy(self, loadFileName: str) -> None:
+        """Load a ``.npy`` written by saveCupy into the existing store (shape and dtype checked),
+        read through a memory map (no second copy of the table in memory)."""
+        loaded = torch.from_numpy(np.load(loadFileName, mmap_mode="c"))
+        self._load_into(list(loaded) if self._listed else [loaded], loadFileName)
+
+    def saveTorch(self, saveFileName: str) -> None:
+        """``torch.save`` of the table (of the list of state tables), atomic."""
+        self._settle()
+        tables = self._tables()
+        io.save_checkpoint(list(tables) if self._listed else tables[0], saveFileName)
 
     def loadTorch(self, loadFileName: str) -> None:
-        loaded = torch.load(loadFileName, map_location="cpu")
-        self._load_into(torch.stack(loaded) if isinstance(loaded, list) else loaded, loadFileName)
+        """Load a saveTorch file into the existing store, memory-mapped (no second copy)."""
+        loaded = io.load_checkpoint(loadFileName)
+        if isinstance(loaded, Tensor) and self._listed and loaded.dim() == 3:
+            loaded = list(loaded)  # a stacked save
+        self._load_into(list(loaded) if isinstance(loaded, (list, tuple)) else [loaded],
+                        loadFileName)
 
-    def _load_into(self, loaded: Tensor, name: str) -> None:
+    def _load_into(self, loaded: list, name: str) -> None:
+        """Copy `loaded` (one tensor per table) into the tables; every shape and dtype is checked
+        before anything is written."""
         self._settle(writing=True)
         tables = self._tables()
         shape = (len(tables), *tables[0].shape) if self._listed else tuple(tables[0].shape)
-        check_loaded(name, loaded, shape, tables[0].dtype)
-        for table, part in zip(tables, loaded if self._listed else [loaded]):
+        if self._listed:
+            got = (len(loaded), *loaded[0].shape) if loaded else (0,)
+        else:
+            got = tuple(loaded[0].shape)
+        dtypes = {t.dtype for t in loaded}
+        check_loaded(name, got, dtypes.pop() if len(dtypes) == 1 else dtypes, shape,
+                     tables[0].dtype)
+        for table, part in zip(tables, loaded):
             table.copy_(part)
 
     def getCupyVar(self):
@@ -142,7 +163,7 @@ class _TableMethods:
         if len(loaded) != len(tables):
             raise ValueError(f"checkpoint has {len(loaded)} tables, this store {len(tables)}")
         for i, (table, value) in enumerate(zip(tables, loaded)):
-            check_loaded(f"tables[{i}]", value, table.shape, table.dtype)
+            check_loaded(f"tables[{i}]", value.shape, value.dtype, table.shape, table.dtype)
         for table, value in zip(tables, loaded):
             table.copy_(value)
 
@@ -200,7 +221,10 @@ class _ModelSwitcher(_Switcher):
         else:
             self._adopt(table)
         with torch.no_grad():
-            fill(table)
+            if table.is_contiguous():  # in chunks, with a progress bar for large tables
+                initialize_(table, fill)
+            else:
+                fill(table)
 
     def zerosInit(self) -> None:
         self._initialise(lambda t: t.zero_())

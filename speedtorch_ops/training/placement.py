@@ -79,7 +79,8 @@ def upload(values: Tensor, device: torch.device) -> Tensor:
     return staging.to(device, non_blocking=True)
 
 
-def check_loaded(name: str, loaded: Tensor, shape, dtype: torch.dtype) -> None:
-    if tuple(loaded.shape) != tuple(shape) or loaded.dtype != dtype:
-        raise ValueError(f"{name}: the file holds {tuple(loaded.shape)} {loaded.dtype}, but this "
+def check_loaded(name: str, loaded_shape, loaded_dtype, shape, dtype: torch.dtype) -> None:
+    """Raise unless what was read (its shape and dtype) fits a store of `shape` and `dtype`."""
+    if tuple(loaded_shape) != tuple(shape) or loaded_dtype != dtype:
+        raise ValueError(f"{name}: the file holds {tuple(loaded_shape)} {loaded_dtype}, but this "
                          f"store is {tuple(shape)} {dtype}")
