@@ -1,5 +1,5 @@
-"""Runs a function on `world` processes of one torch.distributed group (torch.multiprocessing
-spawn): gloo on the CPU, or NCCL with one GPU per rank. A rank that raises fails the test with
+"""Runs a function on `world` processes of one torch.distributed group (torch.multiprocessing,
+forkserver): gloo on the CPU, or NCCL with one GPU per rank. A rank that raises fails the test with
 its traceback (the others are terminated); a run past `timeout` seconds (a hang) fails it too."""
 
 import datetime
@@ -13,6 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKENDS = ["gloo", "nccl"]
+# Ranks fork from a server that imported torch once (a fresh interpreter per rank spends
+# seconds importing it) and never ran OpenMP or CUDA (which a fork would inherit broken).
+mp.set_forkserver_preload(["torch", "speedtorch_ops.distributed", "sharded_workers"])
 
 
 def skip_unless_backend(backend: str, world: int = 2) -> None:
@@ -43,8 +46,8 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120
     skip_unless_backend(backend, world)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.spawn(_entry, args=(world, backend, store, fn, args), nprocs=world,
-                       join=False)
+        ctx = mp.start_processes(_entry, args=(world, backend, store, fn, args), nprocs=world,
+                                 join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):  # raises as soon as a rank raises
             if time.monotonic() > deadline:
