@@ -70,16 +70,29 @@ def no_phase(name: str):
     return contextlib.nullcontext()
 
 
+def host_route_group(group):
+    """A gloo group over the ranks of an NCCL `group`, for the routing: counts and ids then
+    travel host to host, and the host never waits for the GPU to learn them (the rows still
+    ride NCCL). Creating a group is collective over the default group, so only for the default
+    group (every rank builds the module); None otherwise (the routing uses `group` itself)."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class Route:
     """One step's routing on one rank: its distinct ids bucketed by owner, how many each rank
-    asks of it, and the local row ids it must serve (``requested``).
+    asks of it, and the local row ids it must serve (``requested``, on the host).
 
-    Construction is collective. It raises on every rank when any rank passed an id outside
-    [0, num_embeddings) or failed before the exchange (``error``); nothing has moved then."""
+    Counts and ids travel on `route_group` (its own device: the host for gloo), rows and
+    gradients on `group` (tensors on `comm_device`). Construction is collective. It raises on
+    every rank when any rank passed an id outside [0, num_embeddings) or failed before the
+    exchange (``error``); nothing has moved then."""
 
     def __init__(self, ids: Tensor, num_embeddings: int, group, comm_device: torch.device,
-                 error: Optional[BaseException] = None):
+                 route_group, error: Optional[BaseException] = None):
         self.group, self.comm_device = group, comm_device
+        route_device = backend_device(route_group)
         world = dist.get_world_size(group)
         status, bad = _OK, None
         if error is not None:
@@ -99,8 +112,8 @@ class Route:
             send_ids = torch.zeros(0, dtype=torch.int64)
             send_counts = torch.zeros(world, dtype=torch.int64)
         header = torch.stack([send_counts, torch.full((world,), status, dtype=torch.int64)], 1)
-        received = torch.empty_like(header, device=comm_device)
-        _all_to_all(received, header.to(comm_device), [1] * world, [1] * world, group)
+        received = torch.empty_like(header, device=route_device)
+        _all_to_all(received, header.to(route_device), [1] * world, [1] * world, route_group)
         received = received.cpu()  # the host needs the counts to size the next buffers
         statuses = received[:, 1].tolist()
         if status == _FAILED:
@@ -118,9 +131,10 @@ class Route:
                                "rank raises; nothing was written.")
         self.send_counts = send_counts.tolist()
         self.recv_counts = received[:, 0].tolist()
-        self.requested = torch.empty(sum(self.recv_counts), dtype=torch.int64, device=comm_device)
-        _all_to_all(self.requested, send_ids.to(comm_device), self.recv_counts, self.send_counts,
-                    group)
+        requested = torch.empty(sum(self.recv_counts), dtype=torch.int64, device=route_device)
+        _all_to_all(requested, send_ids.to(route_device), self.recv_counts, self.send_counts,
+                    route_group)
+        self.requested = requested.cpu()
         self.distinct = len(send_ids)
 
     def to_requesters(self, rows: Tensor) -> Tensor:

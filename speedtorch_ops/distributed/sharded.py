@@ -19,6 +19,10 @@ optimizer to their rows and state, the lazy rule of ``HostEmbedding``. So with t
 ``grad_scale=1`` training equals one process training on the concatenated batches with the sum
 of the ranks' losses; pass ``1 / world`` to match DDP's averaging of a dense part.
 
+On an NCCL group the counts and ids travel on a gloo group over the same ranks (made at
+construction for the default group, or pass ``route_group``): the host learns them without
+waiting for the GPU, and only rows and gradients ride NCCL.
+
 The gradients travel in ``step()``, not in backward: backward stays local, so a rank whose loss
 does not use the output cannot leave its peers waiting, and the embedding's collectives never
 interleave with DDP's in an order that differs between ranks. Keep the module out of DDP (its
@@ -37,7 +41,8 @@ from torch import Tensor, nn
 from ..modules import HostEmbedding, HostEmbeddingBag
 from ..training.plan import host_ids
 from . import checkpoint
-from .exchange import PhaseTimes, Route, backend_device, gather_cyclic, local_rows, no_phase
+from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_route_group,
+                       local_rows, no_phase)
 
 
 class _ShardedRows(nn.Module):
@@ -46,7 +51,7 @@ class _ShardedRows(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32,
                  optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
                  group=None, device=None, cache_bytes: int = 0, grad_scale: float = 1.0,
-                 _local_weight: Optional[Tensor] = None):
+                 route_group=None, _local_weight: Optional[Tensor] = None):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
@@ -63,6 +68,11 @@ class _ShardedRows(nn.Module):
             raise ValueError("group: this process is not a member of the group")
         self.world = dist.get_world_size(group)
         self.comm_device = backend_device(group)
+        if route_group is None and self.comm_device.type == "cuda":
+            route_group = host_route_group(group)
+        self.route_group = route_group if route_group is not None else group
+        if dist.get_world_size(self.route_group) != self.world:
+            raise ValueError("route_group must hold the ranks of group, in the same order")
         if device is None and self.comm_device.type == "cuda":
             device = self.comm_device  # NCCL: rows stay on the GPU the collectives use
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -109,9 +119,10 @@ class _ShardedRows(nn.Module):
         except (TypeError, ValueError, RuntimeError) as e:
             error = e  # raised after the header exchange, so the other ranks raise too
         with self._phase("route"):
-            route = Route(flat, self.num_embeddings, self.group, self.comm_device, error)
+            route = Route(flat, self.num_embeddings, self.group, self.comm_device,
+                          self.route_group, error)
         with self._phase("transfer"):
-            owned = self.shard(torch.cat([route.requested.cpu(), self._pad]))
+            owned = self.shard(torch.cat([route.requested, self._pad]))
         with self._phase("exchange"):
             rows = route.to_requesters(owned[:-1].detach()).to(self.device)
         if torch.is_grad_enabled() and self.training:

@@ -5,6 +5,7 @@ with the sum of their losses (times grad_scale). Every rank computes every rank'
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from speedtorch_ops import HostEmbedding, HostEmbeddingBag
 from speedtorch_ops.distributed import (ShardedHostEmbedding, ShardedHostEmbeddingBag,
@@ -55,14 +56,17 @@ def reference_step(ref, batches, grad_scale=1.0):
     ref.step()
 
 
-def train_like_one_process(rank, world, device, seed, names, grad_scale=1.0, steps=3):
+def train_like_one_process(rank, world, device, seed, names, grad_scale=1.0, own_route=False,
+                           steps=3):
     """Every optimizer in `names`: step for step equal to the reference, with an empty batch on
-    the last rank at step 1."""
+    the last rank at step 1; with `own_route`, ids travel on a group of their own."""
     init = initial_table(seed)
+    route_group = dist.new_group(backend="gloo") if own_route else None
     for name in names:
         cls, kwargs = OPTIMIZERS[name]
         emb = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
-                                                   device=device, grad_scale=grad_scale)
+                                                   device=device, grad_scale=grad_scale,
+                                                   route_group=route_group)
         ref = HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                             device="cpu")
         for step in range(steps):

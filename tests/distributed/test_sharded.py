@@ -31,9 +31,10 @@ def test_training_equals_one_process(backend, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_grad_scale(backend, seed):
-    """grad_scale=1/world equals the reference on the loss scaled by 1/world."""
-    run_ranks(w.train_like_one_process, 2, seed, ["SGD-momentum", "Adagrad"], 0.5,
+def test_grad_scale_and_a_route_group(backend, seed):
+    """grad_scale=1/world equals the reference on the loss scaled by 1/world; the ids on a
+    gloo group of their own (what NCCL groups get) change nothing."""
+    run_ranks(w.train_like_one_process, 2, seed, ["SGD-momentum", "Adagrad"], 0.5, True,
               backend=backend)
 
 
