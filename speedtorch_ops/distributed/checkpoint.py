@@ -73,7 +73,7 @@ def save(module, directory: str) -> None:
         with open(os.path.join(directory, META + ".tmp"), "w") as f:
             json.dump(meta, f, indent=1)
         os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
-    dist.barrier(group=module.group)  # a load that follows sees every file
+    dist.barrier(group=module.route_group)  # a load that follows sees every file
 
 
 def read_meta(directory: str) -> dict:

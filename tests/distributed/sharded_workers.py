@@ -82,9 +82,10 @@ def train_like_one_process(rank, world, device, seed, names, grad_scale=1.0, own
         assert torch.allclose(emb.gather_weight(), ref.weight, rtol=1e-10, atol=1e-12)
 
 
-def bag_like_one_process(rank, world, device, seed):
+def bag_like_one_process(rank, world, device, seed, directory):
     """The bag variant (mean of fixed-length bags) against HostEmbeddingBag on the
-    concatenated bags; also two id tensors in one forward of the plain variant."""
+    concatenated bags, saved and loaded; also two id tensors in one forward of the plain
+    variant, a read-only forward, bad constructor arguments."""
     init = initial_table(seed)
     cls, kwargs = OPTIMIZERS["Adam"]
     emb = ShardedHostEmbeddingBag.from_pretrained(init, mode="mean", optimizer=cls,
@@ -100,12 +101,26 @@ def bag_like_one_process(rank, world, device, seed):
         sum(loss_of(o, t[:, 0]) for o, (_, t) in zip(outs, batches)).backward()
         ref.step()
         assert_same_state(emb, ref, f"bag step {step} world {world} seed {seed}")
+    emb.save(directory)
+    loaded = ShardedHostEmbeddingBag.load(directory, device=device)
+    assert loaded.mode == "mean" and loaded.steps == 2
+    assert_same_state(loaded, ref, f"bag loaded, world {world} seed {seed}")
     two = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                                device=device)
     a, b = batch(seed, 5, rank, world)[0], batch(seed, 6, rank, world)[0][:1]
     out_a, out_b = two(a.to(device), b.to(device))
     assert out_a.shape == (*a.shape, DIM) and out_b.shape == (*b.shape, DIM)
     assert torch.equal(out_b.cpu(), init[b])
+    two.step()
+    with torch.no_grad():  # a read-only forward: nothing staged, no step to take
+        out = two(b.to(device))
+    with pytest.raises(RuntimeError, match="no forward"):
+        two.step()
+    assert torch.equal(out.cpu(), two.gather_weight()[b])
+    with pytest.raises(ValueError, match="grad_scale"):
+        ShardedHostEmbedding(ROWS, DIM, grad_scale=float("nan"))
+    with pytest.raises(ValueError, match="num_embeddings"):
+        ShardedHostEmbedding(0, DIM)
 
 
 def checkpoint_phase(rank, world, device, seed, schedule, load_from, save_to, steps):

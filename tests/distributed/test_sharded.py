@@ -39,8 +39,9 @@ def test_grad_scale_and_a_route_group(backend, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bag_and_several_id_tensors(backend, seed):
-    run_ranks(w.bag_like_one_process, 3 if backend == "gloo" else 2, seed, backend=backend)
+def test_bag_and_several_id_tensors(backend, seed, tmp_path):
+    run_ranks(w.bag_like_one_process, 3 if backend == "gloo" else 2, seed, str(tmp_path),
+              backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
