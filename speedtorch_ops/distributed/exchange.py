@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..training.placement import upload
+
 _OK, _BAD_IDS, _FAILED = 0, 1, 2
 
 
@@ -136,6 +138,7 @@ class Route:
                     route_group)
         self.requested = requested.cpu()
         self.distinct = len(send_ids)
+        self._order = upload(self.order, comm_device)
 
     def to_requesters(self, rows: Tensor) -> Tensor:
         """The rows an owner serves (``len(requested)``, *row), in ``requested``'s order -> this
@@ -143,13 +146,13 @@ class Route:
         rows = rows.to(self.comm_device)
         out = rows.new_empty((self.distinct, *rows.shape[1:]))
         _all_to_all(out, rows, self.send_counts, self.recv_counts, self.group)
-        return torch.empty_like(out).index_copy_(0, self.order.to(out.device), out)
+        return torch.empty_like(out).index_copy_(0, self._order, out)
 
     def to_owners(self, grad: Tensor) -> Tensor:
         """Gradients of this rank's distinct rows (ascending ids) -> the gradients each owner
         receives, in ``requested``'s order (collective): the reverse of ``to_requesters``."""
         grad = grad.to(self.comm_device)
-        send = grad.index_select(0, self.order.to(grad.device))
+        send = grad.index_select(0, self._order)
         out = grad.new_empty((len(self.requested), *grad.shape[1:]))
         _all_to_all(out, send, self.recv_counts, self.send_counts, self.group)
         return out

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..modules import HostEmbedding, HostEmbeddingBag
+from ..training.placement import upload
 from ..training.plan import host_ids
 from . import checkpoint
 from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_route_group,
@@ -128,7 +129,8 @@ class _ShardedRows(nn.Module):
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_()
             self._pending = (route, owned, rows)
-        return rows.index_select(0, route.inverse.to(self.device)), shapes
+        # upload: a copy from pageable memory would wait for everything queued on the stream
+        return rows.index_select(0, upload(route.inverse, self.device)), shapes
 
     def step(self) -> None:
         """Collective: the gradients of the last forward's rows go to their owners, which update

@@ -5,7 +5,6 @@ GPUs (the 2-GPU machine: NCCL_NVLS_ENABLE=0 python -m pytest tests/distributed).
 import secrets
 
 import pytest
-import torch
 
 import sharded_workers as w
 from dist_launch import BACKENDS, run_ranks
