@@ -1,0 +1,202 @@
+"""The sharding claim: the demo's skip-gram (two vocab x dim tables + Adam state, ZipfCorpus) on
+ShardedHostEmbedding with a fixed per-rank batch, 1 rank against 2 ranks on one machine (each
+GPU with its own host link and row cache, the rows exchanged over NCCL), in samples/s; then a
+profiling run with the device synchronized around each phase: route (counts and ids to the
+owners), transfer (owners staging and committing rows: cache and host link, the optimizer on
+the staged rows), exchange (rows to the requesters, gradients to the owners), compute (loss and
+backward). The 1-rank run also times the single-process HostEmbedding (no routing) on the same
+batches. Output: a table, and JSON (--json).
+
+    python bench/sharded.py --ranks 1 2 --json sharded.json           # spawns the ranks
+    torchrun --nproc_per_node=2 bench/sharded.py --json sharded.json  # one world size
+
+On a machine without GPUs the ranks run on the CPU with gloo (small sizes: a smoke test).
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import speedtorch_ops as so
+from speedtorch_ops.demo.corpus import CORPORA
+from speedtorch_ops.demo.model import skipgram_loss
+from speedtorch_ops.distributed import ShardedHostEmbedding
+from speedtorch_ops.distributed.exchange import PhaseTimes
+
+PHASES = ("route", "transfer", "exchange", "compute")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2],
+                   help="world sizes to run one after the other (spawned); ignored under torchrun")
+    p.add_argument("--vocab", type=int, default=4_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8192, help="centre words per step per rank")
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--steps", type=int, default=200, help="timed steps")
+    p.add_argument("--warmup", type=int, default=30, help="steps before the clock (fill caches)")
+    p.add_argument("--profile-steps", type=int, default=50)
+    p.add_argument("--cache-mb", type=float, default=1200, help="row cache per rank, both tables")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+    p.add_argument("--tokens", type=int, default=2_000_000)
+    p.add_argument("--cluster-size", type=int, default=20)
+    p.add_argument("--json", default=None, help="write the results here")
+    return p.parse_args(argv)
+
+
+def batches(a, rank, count=64):
+    """`count` batches of this rank (drawn ahead, cycled: sampling is not what is measured)."""
+    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)  # the same text on each rank
+    corpus.rng = np.random.default_rng(1000 + rank)  # but each rank its own samples
+    torch.manual_seed(1000 + rank)
+    return [tuple(torch.from_numpy(x) for x in corpus.batch(a.batch, a.negatives))
+            for _ in range(count)]
+
+
+def tables(a, device, sharded: bool):
+    kwargs = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": a.lr}, device=device,
+                  cache_bytes=int(a.cache_mb * 2**20) // 2 if device.type == "cuda" else 0)
+    cls = ShardedHostEmbedding if sharded else so.HostEmbedding
+    u, v = (cls(a.vocab, a.dim, **kwargs) for _ in range(2))
+    bound = 0.5 / a.dim
+    u.reset_parameters(lambda w: w.uniform_(-bound, bound))
+    v.reset_parameters(lambda w: w.normal_(0.0, bound))
+    return u, v
+
+
+def train_step(u, v, batch, timer=None):
+    labels, ctx, negs = batch
+    centre = u(labels)
+    context, negatives = v(ctx, negs)
+    with timer.phase("compute") if timer else contextlib.nullcontext():
+        loss = skipgram_loss(centre, context, negatives)
+        loss.backward()
+    u.step()
+    v.step()
+
+
+def measure(a, u, v, data, device, world):
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for i in range(a.warmup):
+        train_step(u, v, data[i % len(data)])
+    sync()
+    start = time.perf_counter()
+    for i in range(a.steps):
+        train_step(u, v, data[(a.warmup + i) % len(data)])
+    sync()
+    seconds = time.perf_counter() - start
+    result = {"step_ms": seconds / a.steps * 1e3,
+              "samples_per_s": world * a.batch * a.steps / seconds}
+    timer = PhaseTimes(device)
+    for emb in (u, v):
+        if hasattr(emb, "timer"):
+            emb.timer = timer
+    sync()
+    start = time.perf_counter()
+    for i in range(a.profile_steps):
+        train_step(u, v, data[i % len(data)], timer)
+    sync()
+    total = (time.perf_counter() - start) / a.profile_steps * 1e3
+    phases = {k: timer.seconds.get(k, 0.0) / a.profile_steps * 1e3 for k in PHASES}
+    phases["other"] = total - sum(phases.values())
+    result.update(profiled_step_ms=total, phases_ms=phases)
+    return result
+
+
+def run_rank(a, rank, world, local_rank):
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+    data = batches(a, rank)
+    torch.manual_seed(rank)  # each rank initialises its own shard
+    u, v = tables(a, device, sharded=True)
+    result = {"world": world, "device": str(device), "backend": backend,
+              "sharded": measure(a, u, v, data, device, world)}
+    del u, v
+    if world == 1:  # the single-process module on the same batches: the routing's cost
+        u, v = tables(a, device, sharded=False)
+        result["single_process"] = measure(a, u, v, data, device, 1)
+    return result
+
+
+def _spawned(rank, world, a, store, out):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (see the device notes)
+    extra = {"device_id": torch.device("cuda", rank)} if torch.cuda.is_available() else {}
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300), **extra)
+    try:
+        result = run_rank(a, rank, world, rank)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(a, results):
+    single = next((r["single_process"] for r in results if "single_process" in r), None)
+    one = next((r["sharded"] for r in results if r["world"] == 1), None)
+    print(f"vocab {a.vocab:,} dim {a.dim}, {a.batch} centre words x (2 + {a.negatives}) ids per "
+          f"rank per step, cache {a.cache_mb:g} MiB per rank")
+    print(f"{'run':<22}{'samples/s':>12}{'step ms':>9}  phases (ms): "
+          + " ".join(f"{k:>8}" for k in (*PHASES, "other")))
+    for r in results:
+        runs = [(f"{r['world']} rank(s), sharded", r["sharded"])]
+        if "single_process" in r:
+            runs.append(("1 rank, HostEmbedding", r["single_process"]))
+        for name, x in runs:
+            print(f"{name:<22}{x['samples_per_s']:>12,.0f}{x['step_ms']:>9.2f}  {'':12}"
+                  + " ".join(f"{x['phases_ms'][k]:>8.2f}" for k in (*PHASES, "other")))
+        if r["world"] > 1:
+            for name, base in (("sharded 1 rank", one), ("HostEmbedding", single)):
+                if base:
+                    r.setdefault("speedup", {})[name] = (r["sharded"]["samples_per_s"]
+                                                         / base["samples_per_s"])
+            print(f"  speedup: {r.get('speedup')}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "results": results}, f, indent=1)
+
+
+def main():
+    a = parse()
+    if "RANK" in os.environ:  # torchrun: this process is one rank of one world size
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        extra = {"device_id": torch.device("cuda", local)} if torch.cuda.is_available() else {}
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **extra)
+        try:
+            result = run_rank(a, dist.get_rank(), dist.get_world_size(), local)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) == 0:
+            report(a, [result])
+        return
+    import tempfile
+    results = []
+    for world in a.ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            mp.start_processes(_spawned, args=(world, a, os.path.join(tmp, "store"), out),
+                               nprocs=world, start_method="spawn")
+            with open(out) as f:
+                results.append(json.load(f))
+    report(a, results)
+
+
+if __name__ == "__main__":
+    main()

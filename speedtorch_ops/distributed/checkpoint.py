@@ -1,0 +1,164 @@
+"""Checkpoints of sharded tables: one file per rank (its rows, weight and optimizer state side by
+side, and the optimizer's scalars) and one small ``meta.json``; loadable at any world size, and
+as one state_dict for the single-process ``HostEmbedding`` (``full_state_dict``).
+
+Layout of ``directory``:
+    meta.json                   sizes, dtype, world size, partition, optimizer and its settings
+    shard-00000-of-00002.pt     {"rows": (local_rows, 1 + states, dim), "parts": names of the
+                                 row parts, "scalars": {name: tensor}}
+Row ``id`` of a checkpoint saved at world ``W`` is row ``id // W`` of file ``id % W``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+FORMAT = 1
+META = "meta.json"
+
+
+def shard_file(directory: str, rank: int, world: int) -> str:
+    return os.path.join(directory, f"shard-{rank:05d}-of-{world:05d}.pt")
+
+
+def split_state(shard) -> tuple:
+    """(the names of the row parts of `shard`'s host table, in their order; the optimizer's
+    scalars as state_dict entries) of a single-process module."""
+    names = ["weight"] + [f"optimizer.{key}" for key in shard.state_keys]
+    scalars = {k: v.clone() for k, v in shard.state_dict().items() if k not in names}
+    return names, scalars
+
+
+def _json_settings(group: dict) -> dict:
+    """The optimizer's settings that JSON can hold (lr, betas, ...; not the params)."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[key] = value
+    return out
+
+
+def save(module, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    names, scalars = split_state(module.shard)
+    payload = {"rows": module._local_table(), "parts": names, "scalars": scalars}
+    path = shard_file(directory, module.rank, module.world)
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    if module.rank == 0:
+        meta = {"format": FORMAT, "kind": type(module).__name__,
+                "num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim,
+                "dtype": str(module.dtype).removeprefix("torch."), "world_size": module.world,
+                "partition": "cyclic", "steps": module.steps,
+                "optimizer": type(module.optimizer).__name__,
+                "optimizer_kwargs": _json_settings(module.optimizer.param_groups[0])}
+        if hasattr(module, "mode"):
+            meta["mode"] = module.mode
+        with open(os.path.join(directory, META + ".tmp"), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+    dist.barrier(group=module.route_group)  # a load that follows sees every file
+
+
+def read_meta(directory: str) -> dict:
+    path = os.path.join(directory, META)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"directory: no {META} in {directory!r}; is it a checkpoint "
+                                "written by ShardedHostEmbedding.save?")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("partition") != "cyclic":
+        raise ValueError(f"directory: {path} is format {meta.get('format')} with partition "
+                         f"{meta.get('partition')!r}; this version reads format {FORMAT}, cyclic")
+    return meta
+
+
+def _open_shard(directory: str, rank: int, world: int) -> dict:
+    path = shard_file(directory, rank, world)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"directory: {path} is missing (the checkpoint was saved by "
+                                f"{world} ranks; every rank's file must be visible here)")
+    # mmap: a rank reads only the pages of the rows it keeps
+    return torch.load(path, mmap=True, weights_only=True)
+
+
+def _optimizer_kwargs(optimizer, saved: dict) -> dict:
+    """The saved settings the optimizer's constructor takes (a param group also holds derived
+    ones, e.g. AdamW's decoupled_weight_decay)."""
+    accepted = inspect.signature(optimizer.__init__).parameters
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+            if k in accepted}
+
+
+def rows_of(directory: str, meta: dict, ids: Tensor) -> tuple:
+    """(rows (len(ids), 1 + states, dim) of the global `ids`, the part names, the scalars) read
+    from the shard files of a checkpoint."""
+    world = meta["world_size"]
+    first = _open_shard(directory, 0, world)
+    parts, scalars = first["parts"], first["scalars"]
+    out = torch.empty((len(ids), *first["rows"].shape[1:]), dtype=first["rows"].dtype)
+    owner = ids % world
+    for rank in range(world):
+        mine = (owner == rank).nonzero().flatten()
+        if len(mine):
+            shard = first if rank == 0 else _open_shard(directory, rank, world)
+            out[mine] = shard["rows"][ids[mine] // world]
+    return out, parts, scalars
+
+
+def full_state_dict(directory: str) -> dict:
+    """The state_dict of the single-process ``HostEmbedding`` (or ``HostEmbeddingBag``) with
+    this checkpoint's table and optimizer state; no process group needed:
+
+        emb = HostEmbedding(n, dim, optimizer=torch.optim.Adam, ...)
+        emb.load_state_dict(full_state_dict(directory))"""
+    meta = read_meta(directory)
+    rows, parts, scalars = rows_of(directory, meta, torch.arange(meta["num_embeddings"]))
+    out = {name: rows[:, k] for k, name in enumerate(parts)}
+    out.update(scalars)
+    return out
+
+
+def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict],
+         kwargs: dict):
+    meta = read_meta(directory)
+    if optimizer is None:
+        optimizer = getattr(torch.optim, meta["optimizer"])
+    elif getattr(optimizer, "__name__", None) != meta["optimizer"]:
+        raise ValueError(f"optimizer: the checkpoint holds {meta['optimizer']}'s state, got "
+                         f"{optimizer!r}")
+    if optimizer_kwargs is None:
+        optimizer_kwargs = _optimizer_kwargs(optimizer, meta["optimizer_kwargs"])
+    if "mode" in meta and "mode" in inspect.signature(cls.__init__).parameters:
+        kwargs.setdefault("mode", meta["mode"])  # a bag's reduction
+    kwargs.setdefault("dtype", getattr(torch, meta["dtype"]))
+    module = cls(meta["num_embeddings"], meta["embedding_dim"], optimizer=optimizer,
+                 optimizer_kwargs=optimizer_kwargs, group=group, **kwargs)
+    ids = torch.arange(module.rank, module.num_embeddings, module.world)
+    rows, parts, scalars = rows_of(directory, meta, ids)
+    names, _ = split_state(module.shard)
+    if parts != names:
+        raise ValueError(f"optimizer: the checkpoint's rows hold {parts}, this optimizer "
+                         f"keeps {names} (settings such as amsgrad or momentum differ)")
+    padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])  # the shard's padding row
+    state = {name: padded[:, k] for k, name in enumerate(parts)}
+    state.update(scalars)
+    module.shard.load_state_dict(state)
+    module.steps = meta["steps"]
+    return module

@@ -1,0 +1,251 @@
+"""HostEmbedding and HostEmbeddingBag split by rows across the ranks of a torch.distributed
+process group.
+
+    emb = ShardedHostEmbedding(num_embeddings, dim, optimizer=torch.optim.Adam,
+                               optimizer_kwargs={"lr": 1e-3}, group=g)
+    out = emb(local_ids)        # collective
+    loss.backward()             # local
+    emb.step()                  # collective
+
+Row ``id`` lives on rank ``id % world`` at local row ``id // world`` (cyclic: a vocabulary
+sorted by frequency spreads its hot rows over all ranks). Each rank's shard is a single-process
+``HostEmbedding`` (table and optimizer state in its pinned host memory, its own GPU row cache).
+
+A forward deduplicates the rank's ids, sends each distinct id to its owner (counts first, then
+the ids), the owners stage the requested rows (each distinct row once, however many ranks ask)
+and send them back. ``step()`` sends the gradients of those rows to their owners, which sum the
+gradients of a row asked for by several ranks, scale them by ``grad_scale`` and apply the
+optimizer to their rows and state, the lazy rule of ``HostEmbedding``. So with the default
+``grad_scale=1`` training equals one process training on the concatenated batches with the sum
+of the ranks' losses; pass ``1 / world`` to match DDP's averaging of a dense part.
+
+On an NCCL group the counts and ids travel on a gloo group over the same ranks (made at
+construction for the default group, or pass ``route_group``): the host learns them without
+waiting for the GPU, and only rows and gradients ride NCCL.
+
+The gradients travel in ``step()``, not in backward: backward stays local, so a rank whose loss
+does not use the output cannot leave its peers waiting, and the embedding's collectives never
+interleave with DDP's in an order that differs between ranks. Keep the module out of DDP (its
+tables are not parameters) and give it its own group when DDP shares the default one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..modules import HostEmbedding, HostEmbeddingBag
+from ..training.placement import upload
+from ..training.plan import host_ids
+from . import checkpoint
+from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_route_group,
+                       local_rows, no_phase)
+
+
+class _ShardedRows(nn.Module):
+    """What both sharded modules share: the shard, the routing of a step, step() and export."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32,
+                 optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
+                 group=None, device=None, cache_bytes: int = 0, grad_scale: float = 1.0,
+                 route_group=None, _local_weight: Optional[Tensor] = None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
+                               "torch.distributed.init_process_group first")
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
+                or not math.isfinite(grad_scale):
+            raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("group: this process is not a member of the group")
+        self.world = dist.get_world_size(group)
+        self.comm_device = backend_device(group)
+        if route_group is None and self.comm_device.type == "cuda":
+            route_group = host_route_group(group)
+        self.route_group = route_group if route_group is not None else group
+        if dist.get_world_size(self.route_group) != self.world:
+            raise ValueError("route_group must hold the ranks of group, in the same order")
+        if device is None and self.comm_device.type == "cuda":
+            device = self.comm_device  # NCCL: rows stay on the GPU the collectives use
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.grad_scale = float(grad_scale)
+        self.local_rows = local_rows(num_embeddings, self.rank, self.world)
+        # One padding row past the shard's own: an owner always stages it, so no step stages
+        # nothing (the optimizer's step count stays global when a rank is asked for no row)
+        # and a rank that owns no row (world > num_embeddings) still has a table.
+        kwargs = dict(dtype=dtype, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                      device=device, cache_bytes=cache_bytes)
+        if _local_weight is not None:
+            pad = _local_weight.new_zeros((1, embedding_dim))
+            self.shard = HostEmbedding.from_pretrained(torch.cat([_local_weight, pad]), **kwargs)
+        else:
+            self.shard = HostEmbedding(self.local_rows + 1, embedding_dim, **kwargs)
+        self.dtype, self.device = self.shard.dtype, self.shard.device
+        self._pad = torch.tensor([self.local_rows], dtype=torch.int64)
+        self._pending = None
+        self.timer: Optional[PhaseTimes] = None  # set for a profiling run (bench/sharded.py)
+        self.steps = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of this rank's shard."""
+        return self.shard.optimizer
+
+    def _phase(self, name: str):
+        return self.timer.phase(name) if self.timer is not None else no_phase(name)
+
+    # ---- a step --------------------------------------------------------------------------
+
+    def _stage(self, ids: Sequence) -> tuple:
+        """Collective. (this rank's rows per position, the shapes to split them into): the
+        contract of HostEmbedding's forward."""
+        error, flat, shapes = None, torch.zeros(0, dtype=torch.int64), []
+        try:
+            if self._pending is not None:
+                raise RuntimeError(f"{type(self).__name__}: a second forward before step(); "
+                                   "pass every id tensor of a step to one call, or call step() "
+                                   "first")
+            tensors = [torch.as_tensor(i) for i in ids]
+            shapes = [t.shape for t in tensors]
+            flat = torch.cat([host_ids(t) for t in tensors])
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e  # raised after the header exchange, so the other ranks raise too
+        with self._phase("route"):
+            route = Route(flat, self.num_embeddings, self.group, self.comm_device,
+                          self.route_group, error)
+        with self._phase("transfer"):
+            owned = self.shard(torch.cat([route.requested, self._pad]))
+        with self._phase("exchange"):
+            rows = route.to_requesters(owned[:-1].detach()).to(self.device)
+        if torch.is_grad_enabled() and self.training:
+            rows.requires_grad_()
+            self._pending = (route, owned, rows)
+        # upload: a copy from pageable memory would wait for everything queued on the stream
+        return rows.index_select(0, upload(route.inverse, self.device)), shapes
+
+    def step(self) -> None:
+        """Collective: the gradients of the last forward's rows go to their owners, which update
+        their rows and state and commit them."""
+        if self._pending is None:
+            raise RuntimeError(f"{type(self).__name__}.step(): no forward (in training mode, "
+                               "with grad enabled) since the last step")
+        route, owned, rows = self._pending
+        self._pending = None
+        grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+        with self._phase("exchange"):
+            received = route.to_owners(grad).to(owned.device)
+        with self._phase("transfer"):
+            if self.grad_scale != 1.0:
+                received = received * self.grad_scale
+            # Rows asked for by several ranks appear once per rank: backward sums them.
+            owned.backward(torch.cat([received, received.new_zeros((1, self.embedding_dim))]))
+            self.shard.step()
+        self.steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # gradients live per step
+        if self._pending is not None:
+            self._pending[2].grad = None
+
+    # ---- inspection, export and checkpoints -------------------------------------------------
+
+    def _check_idle(self, what: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"{type(self).__name__}.{what}: a forward awaits its step(); "
+                               "call step() first")
+
+    @torch.no_grad()
+    def reset_parameters(self, init: Optional[Callable[[Tensor], object]] = None) -> None:
+        """Re-initialise this rank's shard in place (``init(weight)``, default normal(0, 1))
+        and its optimizer state. Each rank draws its own rows: seed per rank for repeatable
+        runs, or start from ``from_pretrained`` to match a single-process table."""
+        self._check_idle("reset_parameters")
+        self.shard.reset_parameters(init)
+
+    def _local_table(self) -> Tensor:
+        """This rank's rows (local_rows, 1 + states, dim), weight and state side by side."""
+        self.shard.flush()
+        return self.shard.host[: self.local_rows]
+
+    def gather_weight(self) -> Tensor:
+        """Collective: the full table (num_embeddings, dim) on every rank, on the host."""
+        self._check_idle("gather_weight")
+        local = self._local_table()[:, 0]
+        return gather_cyclic(local, self.num_embeddings, self.group, self.comm_device)
+
+    def gather_state_dict(self) -> dict:
+        """Collective: the state_dict of the single-process module (weight, per-row optimizer
+        state, the optimizer's scalars) on every rank; ``HostEmbedding.load_state_dict`` takes
+        it. Holds the full table and its state in host memory: for tests and export."""
+        self._check_idle("gather_state_dict")
+        full = gather_cyclic(self._local_table(), self.num_embeddings, self.group,
+                             self.comm_device)
+        names, scalars = checkpoint.split_state(self.shard)
+        out = {name: full[:, k] for k, name in enumerate(names)}
+        out.update(scalars)
+        return out
+
+    def save(self, directory: str) -> None:
+        """Collective: each rank writes its shard (weight and optimizer state) to `directory`
+        (one that every rank sees: ``load`` at another world size reads every rank's file), and
+        rank 0 a small metadata file. Returns when every file is written."""
+        self._check_idle("save")
+        checkpoint.save(self, directory)
+
+    @classmethod
+    def load(cls, directory: str, group=None, optimizer=None,
+             optimizer_kwargs: Optional[dict] = None, **kwargs):
+        """Collective: the module saved in `directory` (at any world size), for `group`.
+        ``optimizer`` and ``optimizer_kwargs`` default to the saved ones; further keyword
+        arguments (device, cache_bytes, grad_scale) as the constructor's."""
+        return checkpoint.load(cls, directory, group, optimizer, optimizer_kwargs, kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rank {self.rank} of "
+                f"{self.world} ({self.local_rows} rows), dtype={self.dtype}, "
+                f"optimizer={type(self.optimizer).__name__}, device={self.device}, "
+                f"grad_scale={self.grad_scale}")
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, group=None, **kwargs):
+        """A sharded module whose table starts as `embeddings` (rows, dim): each rank keeps its
+        rows (every rank passes the same full table, or at least its own rows in place)."""
+        if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
+            raise ValueError("embeddings must be a 2-D tensor (rows, dim), got "
+                             f"{getattr(embeddings, 'shape', type(embeddings))}")
+        kwargs.setdefault("dtype", embeddings.dtype)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = embeddings[rank::world].cpu()
+        return cls(embeddings.shape[0], embeddings.shape[1], group=group, _local_weight=local,
+                   **kwargs)
+
+
+class ShardedHostEmbedding(_ShardedRows):
+    """``HostEmbedding`` split by rows across a process group (see the module docstring).
+    ``forward(ids, *more_ids)`` (collective): one output ``(*ids.shape, dim)`` per id tensor."""
+
+    # HostEmbedding's forward needs only _stage and embedding_dim, which this class provides.
+    forward = HostEmbedding.forward
+
+
+class ShardedHostEmbeddingBag(_ShardedRows):
+    """``HostEmbeddingBag`` (modes "sum" and "mean") split by rows across a process group:
+    ``forward(input, offsets=None, per_sample_weights=None)`` (collective) as
+    ``nn.EmbeddingBag``'s."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", **kwargs):
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        self.mode = mode
+
+    # HostEmbeddingBag's forward needs only _stage, mode, device and embedding_dim.
+    forward = HostEmbeddingBag.forward

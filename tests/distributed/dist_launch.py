@@ -1,0 +1,60 @@
+"""Runs a function on `world` processes of one torch.distributed group (torch.multiprocessing,
+forkserver): gloo on the CPU, or NCCL with one GPU per rank. A rank that raises fails the test with
+its traceback (the others are terminated); a run past `timeout` seconds (a hang) fails it too."""
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKENDS = ["gloo", "nccl"]
+# Ranks fork from a server that imported torch once (a fresh interpreter per rank spends
+# seconds importing it) and never ran OpenMP or CUDA (which a fork would inherit broken).
+mp.set_forkserver_preload(["torch", "speedtorch_ops.distributed", "sharded_workers"])
+
+
+def skip_unless_backend(backend: str, world: int = 2) -> None:
+    if backend == "nccl" and (not torch.cuda.is_available()
+                              or torch.cuda.device_count() < world):
+        pytest.skip(f"NCCL needs {world} GPUs (run on the 2-GPU machine)")
+
+
+def _entry(rank, world, backend, store, fn, args):
+    torch.set_num_threads(1)  # several ranks share the machine's cores
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the test hosts
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        extra = {"device_id": device}
+    else:
+        device, extra = torch.device("cpu"), {}
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60), **extra)
+    try:
+        fn(rank, world, device, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0) -> None:
+    """fn(rank, world, device, *args) on each of `world` spawned ranks."""
+    skip_unless_backend(backend, world)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_entry, args=(world, backend, store, fn, args), nprocs=world,
+                                 join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):  # raises as soon as a rank raises
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join()
+                pytest.fail(f"{fn.__name__} on {world} {backend} ranks did not finish in "
+                            f"{timeout:.0f} s (a hang)")
