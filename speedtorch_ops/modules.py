@@ -113,7 +113,8 @@ class _HostRowsModule(nn.Module):
         plan = Plan(flat, self.device)
         buf, distinct = self.store.stage(plan)
         training = torch.is_grad_enabled() and self.training
-        self._rows.data = buf[0]
+        with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
+            self._rows.set_(buf[0])
         state = self.optimizer.state[self._rows]
         for k, key in enumerate(self.state_keys):
             state[key] = buf[1 + k]

@@ -294,3 +294,21 @@ def test_cache_keeps_the_hot_rows(gen):
 def test_cache_budget_refuses_too_little():
     with pytest.raises(ValueError, match="cache_bytes=100 holds no row"):
         so.HostEmbedding(1000, 8, device="cuda", cache_bytes=100)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batches_between_steps(device, gen):
+    """A step with no ids (an empty batch) changes nothing and the next steps train normally."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    emb = so.HostEmbedding.from_pretrained(init, optimizer=torch.optim.SGD,
+                                           optimizer_kwargs={"lr": 0.1}, device=device)
+    for ids in ([1, 2, 1], [], [3], []):
+        ids = torch.tensor(ids, dtype=torch.int64)
+        out = emb(ids.to(device))
+        assert out.shape == (len(ids), DIM)
+        out.pow(2).sum().backward()
+        emb.step()
+    # SGD on sum(w^2): each occurrence of a row adds 2w to its gradient (row 1 twice).
+    assert torch.allclose(emb.weight.cpu(), init * torch.tensor(
+        [0.6 if i == 1 else 0.8 if i in (2, 3) else 1.0 for i in range(ROWS)],
+        dtype=torch.float64).unsqueeze(1), rtol=1e-12, atol=1e-12)
