@@ -139,7 +139,8 @@ def test_pageable_table_with_a_cuda_index_moves_through_the_cpu(share, bounds_ch
     load = cpu_index(5000, 1000, gen).cuda()
     speedtorch_ops.optimizer_state_swap([table, other], batch, index, load,
                                         bounds_check=bounds_check)
-    for d, t, b, w in ((data, table, batch[0], written[0]), (other_data, other, batch[1], written[1])):
+    for d, t, b, w in ((data, table, batch[0], written[0]),
+                       (other_data, other, batch[1], written[1])):
         ref = last_wins_reference(d, index, w)
         assert torch.equal(t, ref) and torch.equal(b.cpu(), ref[load.cpu()])
     before = table.clone()

@@ -43,7 +43,8 @@ def opcheck(op, args, store, kwargs=None):
         return
     with _copies_stay_pinned():
         torch.library.opcheck(
-            op, args, kwargs, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+            op, args, kwargs,
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _samples(store, gen):

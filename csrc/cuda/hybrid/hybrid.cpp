@@ -85,8 +85,9 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
       }
       for (const auto k : c10::irange(pairs.size())) {
         const int64_t rb = pairs[k].row_bytes;
-        C10_CUDA_CHECK(cudaMemcpyAsync(pairs[k].batch + (z + b) * rb, staging.host_block(k) + b * rb,
-                                       len * rb, cudaMemcpyHostToDevice, dma));
+        C10_CUDA_CHECK(cudaMemcpyAsync(pairs[k].batch + (z + b) * rb,
+                                       staging.host_block(k) + b * rb, len * rb,
+                                       cudaMemcpyHostToDevice, dma));
       }
     }
   }
@@ -125,7 +126,9 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   };
   fill(wb, *swb);
   if (sload) fill(*load, *sload);
-  Validation v(device, /*wait=*/false);  // its status is zeroed on cur, before the event dma waits for
+  // Nothing to validate (the values were checked); its status is zeroed on cur, before the
+  // event dma waits for.
+  Validation v(device, /*wait=*/false);
   const auto dev = upload.to(device, /*non_blocking=*/true);
   const auto part = [&](int64_t offset, int64_t n) { return dev.narrow(0, offset, n); };
   at::cuda::CUDAEvent uploaded;
