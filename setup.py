@@ -12,8 +12,17 @@ from torch.utils import cpp_extension
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def sources(pattern):
-    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+def sources(*groups):
+    """The paths of csrc/sources.txt in `groups` (CMakeLists.txt reads the same list)."""
+    with open(os.path.join(HERE, "csrc", "sources.txt")) as f:
+        rows = [line.split() for line in f if line.strip() and not line.startswith("#")]
+    unlisted = sorted(
+        set(os.path.relpath(p, HERE) for ext in ("cpp", "cu")
+            for p in glob.glob(os.path.join(HERE, "csrc", "**", f"*.{ext}"), recursive=True))
+        - {path for _, path in rows})
+    if unlisted:
+        raise SystemExit(f"csrc/sources.txt does not list {unlisted}: add each to its group")
+    return [path for group, path in rows if group in groups]
 
 
 def with_cuda():
@@ -23,7 +32,7 @@ def with_cuda():
 
 
 def extension():
-    cpp = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
+    cpp = sources("module", "cpu")
     cxx = ["-O3", "-std=c++17", "-fopenmp"]
     # Torch passes no-half-operator flags to nvcc; the kernels convert explicitly.
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
@@ -36,7 +45,7 @@ def extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
     define = ["-DSPEEDTORCH_OPS_WITH_CUDA"]
     return cpp_extension.CUDAExtension(
-        "speedtorch_ops._C", cpp + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+        "speedtorch_ops._C", cpp + sources("cuda-host", "cuda"),
         include_dirs=include,
         extra_compile_args={"cxx": cxx + define, "nvcc": nvcc + define},
         extra_link_args=["-fopenmp"])

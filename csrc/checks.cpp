@@ -1,12 +1,13 @@
 #include "speedtorch_ops/checks.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
 #include <atomic>
-#include <string>
 #include <limits>
+#include <string>
 #include <utility>
 
 namespace speedtorch_ops {
@@ -83,17 +84,52 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
   });
 }
 
-namespace {
-thread_local bool t_index_wait = true;
-}  // namespace
-
-bool set_index_wait(bool enabled) {
-  const bool previous = t_index_wait;
-  t_index_wait = enabled;
-  return previous;
+BoundsCheck parse_bounds_check(c10::string_view mode) {
+  if (mode == "raise") return BoundsCheck::kRaise;
+  if (mode == "prechecked") return BoundsCheck::kPrechecked;
+  TORCH_CHECK(false, "bounds_check must be 'raise' (a bad index raises in the failing call) or "
+              "'prechecked' (the caller validated the indices: no wait, no error, a bad index "
+              "writes nothing), got '", mode, "'");
 }
 
-bool index_wait() { return t_index_wait; }
+void check_accumulate_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kChar:
+    case at::kByte: case at::kShort: case at::kInt: case at::kLong: case at::kBool:
+      return;
+    default:
+      TORCH_CHECK(false, "accumulate=True supports float, half, bfloat16, double, int8, uint8, "
+                  "int16, int32, int64 and bool tables, got ", dtype);
+  }
+}
+
+void check_gather_into_args(const at::Tensor& table, const at::Tensor& index,
+                            const at::Tensor& out, const c10::Device& device) {
+  check_table(table, "table");
+  check_index(index, "index");
+  check_rows_like(out, "out", table, index.numel(), device);
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous (it is written in place)");
+  check_no_overlap(out, "out", table, "table");
+  check_no_overlap(out, "out", index, "index");
+}
+
+at::Tensor gather_output(const at::Tensor& table, const at::Tensor& index) {
+  check_table(table, "table");
+  check_index(index, "index");
+  auto sizes = table.sizes().vec();
+  sizes[0] = index.numel();
+  return at::empty(sizes, table.options().device(index.device()).pinned_memory(false));
+}
+
+void check_scatter_args(const at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                        bool accumulate, const c10::Device& device) {
+  check_table(table, "table");
+  check_index(index, "index");
+  check_rows_like(src, "src", table, index.numel(), device);
+  check_no_overlap(table, "table", src, "src");
+  check_no_overlap(table, "table", index, "index");
+  if (accumulate) check_accumulate_dtype(table.scalar_type());
+}
 
 void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const std::optional<at::Tensor>& writeback_index,

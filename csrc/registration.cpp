@@ -2,30 +2,29 @@
 // Kernels register per dispatch key in cpu/*.cpp and cuda/*.cpp; fakes and autograd in ops.py.
 #include <torch/library.h>
 
-#include "speedtorch_ops/checks.h"
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
-#include "cuda/hybrid.h"
-#include "cuda/transfer.h"
+#include "cuda/hybrid/tuner.h"
+#include "cuda/launch.h"
 #endif
 
 TORCH_LIBRARY(speedtorch_ops, m) {
   // The transfer ops pass opcheck (schema, fake, autograd registration, AOT dispatch) and are
-  // CUDA-graph capturable (tests/test_compile.py), so they carry the PT2-compliant tag.
+  // CUDA-graph capturable (tests/ops/test_compile.py), so they carry the PT2-compliant tag.
+  // Their keyword bounds_check is 'raise' or 'prechecked' (checks.h says what each does).
   const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
   // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
   // table for a CUDA index).
-  m.def("pinned_gather(Tensor table, Tensor index) -> Tensor", pt2);
+  m.def("pinned_gather(Tensor table, Tensor index, *, str bounds_check='raise') -> Tensor", pt2);
   // The same into a caller-provided tensor: allocates nothing (training loops, CUDA graphs).
-  m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out) -> ()", pt2);
+  m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out, *, "
+        "str bounds_check='raise') -> ()", pt2);
   // table[index[i]] = src[i] in place (+= with accumulate); the last duplicate wins without it.
-  m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False) -> ()",
-        pt2);
+  m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False, *, "
+        "str bounds_check='raise') -> ()", pt2);
   // For every pair k: write batch[k] to stores[k][writeback_index], then load
   // stores[k][load_index] into batch[k]. Either index may be None.
-  m.def(
-      "optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
-      "Tensor? load_index) -> ()",
-      pt2);
+  m.def("optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
+        "Tensor? load_index, *, str bounds_check='raise') -> ()", pt2);
   // For the factories (private): a batch's rows moved by ids the caller sorted once, for a table
   // whose rows are split into parts (a weight and its optimizer state side by side: table of
   // shape (rows, len(parts), ...), parts[k] of shape (n, ...) holding part k of the batch's
@@ -37,14 +36,10 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // once for its load, its write-back and its duplicate bookkeeping. Index values are validated
   // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
   m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
-        "Tensor slots, bool load) -> ()");
+        "Tensor slots, bool load, *, str bounds_check='raise') -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");
-  // For callers that validated their indices on the host already (the factories): on this
-  // thread, CUDA calls then skip the wait that turns a device-side bad-index flag into an
-  // exception (a bad index still writes nothing). Returns the previous setting.
-  m.def("_set_index_wait(bool enabled) -> bool", &speedtorch_ops::set_index_wait);
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
   // The most SMs the transfer kernels may use (0: no cap, the default), so transfers can run
   // beside training kernels. Process-wide; returns the previous setting.

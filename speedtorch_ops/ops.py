@@ -3,6 +3,23 @@
 Each wrapper is one call of ``torch.ops.speedtorch_ops.<op>.default``: nothing here reads data,
 so the wrappers trace under ``torch.compile(fullgraph=True)``. Argument checks (values, devices,
 pinned memory) happen in C++ before any byte moves.
+
+Where an op's rows go to a GPU, pass the index on that GPU: the op itself picks the path (a
+zero-copy kernel for a pinned or CUDA table; CPU threads and DMA for a pageable host table).
+A CPU index with a host table and rows on a GPU chooses the hybrid path explicitly.
+
+Every transfer op takes ``bounds_check`` (keyword only); in every mode a bad index writes
+nothing:
+
+- ``"raise"`` (default): a bad index raises in the failing call. CUDA indices are checked on the
+  GPU and the call waits for the current stream to read the result (not while a CUDA graph is
+  being captured: a bad index then writes nothing but cannot raise).
+- ``"prechecked"``: the caller validated the indices on the host (e.g. once per batch of ids).
+  CUDA indices are still checked on the GPU, so a bad one writes nothing, but the call neither
+  waits nor raises, so the host runs ahead of the GPU.
+
+Indices a call reads on the host (CPU tables, the hybrid path, a pageable table) are checked
+there in both modes and a bad one raises: that check costs no wait.
 """
 
 import contextlib
@@ -14,39 +31,44 @@ from torch import Tensor
 _ops = torch.ops.speedtorch_ops
 
 
-def pinned_gather(table: Tensor, index: Tensor) -> Tensor:
+def pinned_gather(table: Tensor, index: Tensor, *, bounds_check: str = "raise") -> Tensor:
     """Rows ``table[index]`` as a new tensor on ``index``'s device.
 
     ``table``: contiguous, rows along dim 0, any dtype; pinned host memory or a CUDA tensor for a
-    CUDA ``index`` (read in place by one zero-copy kernel), a CPU tensor for a CPU ``index``.
+    CUDA ``index`` (read in place by one zero-copy kernel; a pageable host table is read by CPU
+    threads and copied up, after a wait for the stream), a CPU tensor for a CPU ``index``.
     ``index``: 1-D int32/int64 with values in ``[0, table.shape[0])``.
+    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring).
     Differentiable with respect to ``table`` (like ``index_select``).
     """
-    return _ops.pinned_gather.default(table, index)
+    return _ops.pinned_gather.default(table, index, bounds_check=bounds_check)
 
 
-def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor) -> None:
+def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor, *,
+                       bounds_check: str = "raise") -> None:
     """``out[:] = table[index]`` into a caller-provided contiguous tensor.
 
     ``out`` on ``index``'s device allocates nothing (training loops, CUDA-graph capture). A CPU
     ``index`` with a host ``table`` and a CUDA ``out`` takes the hybrid path: CPU threads and the
     copy engine move part of the rows while the zero-copy kernel moves the rest (the split
-    adapts by itself); the call returns when the CPU's part is done. Mutates ``out``; not
+    adapts by itself); the call returns when the CPU's part is done. ``bounds_check``:
+    ``"raise"`` or ``"prechecked"`` (see the module docstring). Mutates ``out``; not
     differentiable.
     """
-    _ops.pinned_gather_into.default(table, index, out)
+    _ops.pinned_gather_into.default(table, index, out, bounds_check=bounds_check)
 
 
-def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False) -> None:
+def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False, *,
+                   bounds_check: str = "raise") -> None:
     """``table[index[i]] = src[i]`` in place (``+=`` with ``accumulate``).
 
     ``table`` as for :func:`pinned_gather`; ``src`` has shape ``(len(index), *table.shape[1:])``,
     the table's dtype, on ``index``'s device (or on a GPU with a CPU ``index`` and a host
     ``table``: the hybrid path, as in :func:`pinned_gather_into`). Duplicate indices are
     deterministic: without ``accumulate`` the last occurrence wins, with it all add up in index
-    order.
+    order. ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring).
     """
-    _ops.pinned_scatter.default(table, index, src, accumulate)
+    _ops.pinned_scatter.default(table, index, src, accumulate, bounds_check=bounds_check)
 
 
 def optimizer_state_swap(
@@ -54,37 +76,31 @@ def optimizer_state_swap(
     batch: Sequence[Tensor],
     writeback_index: Optional[Tensor],
     load_index: Optional[Tensor],
+    *,
+    bounds_check: str = "raise",
 ) -> None:
     """For every pair ``(stores[k], batch[k])``: write ``batch[k]`` to rows ``writeback_index`` of
     ``stores[k]``, then load rows ``load_index`` into ``batch[k]``. Either index may be None. A
-    row in both indices is written back before it is loaded. Mutates both lists. With host
-    stores, GPU batch tensors and CPU indices, it takes the hybrid path (see
-    :func:`pinned_gather_into`)."""
-    _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index)
+    row in both indices is written back before it is loaded. Mutates both lists. Both indices
+    on the batch's device (or both on the CPU with host stores and GPU batch tensors: the hybrid
+    path, see :func:`pinned_gather_into`). ``bounds_check``: ``"raise"`` or ``"prechecked"``
+    (see the module docstring)."""
+    _ops.optimizer_state_swap.default(list(stores), list(batch), writeback_index, load_index,
+                                      bounds_check=bounds_check)
 
 
 def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor, slots: Tensor,
-                     load: bool) -> None:
+                     load: bool, *, bounds_check: str = "raise") -> None:
     """Private, for the factories: a batch's rows moved by ids the caller sorted once, for a
     ``table`` of shape ``(rows, len(parts), ...)`` (a weight and its optimizer state side by
     side); ``parts[k]`` of shape ``(n, ...)`` holds part ``k`` of the batch's rows.
     ``sorted_rows`` ascending, ``slots[j]`` the batch row paired with ``sorted_rows[j]``. With
     ``load``: ``parts[k][slots[j]] = table[sorted_rows[j], k]``, each distinct row read once;
     else ``table[sorted_rows[j], k] = parts[k][slots[j]]`` for the last ``j`` of each run of
-    equal rows."""
-    _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load)
-
-
-@contextlib.contextmanager
-def host_validated() -> Iterator[None]:
-    """For callers that checked their indices on the host (the factories): on this thread, CUDA
-    calls skip waiting for their device-side index check, so the host can run ahead of the GPU.
-    A bad index still writes nothing, but raises no error. Not for traced code."""
-    previous = _ops._set_index_wait.default(False)
-    try:
-        yield
-    finally:
-        _ops._set_index_wait.default(previous)
+    equal rows. A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
+    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring)."""
+    _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load,
+                                  bounds_check=bounds_check)
 
 
 def set_transfer_sm_limit(sms: int) -> int:
@@ -128,27 +144,30 @@ def _check_index_meta(index: Tensor, name: str) -> None:
 
 
 @torch.library.register_fake("speedtorch_ops::pinned_gather")
-def _pinned_gather_fake(table: Tensor, index: Tensor) -> Tensor:
+def _pinned_gather_fake(table: Tensor, index: Tensor, *, bounds_check: str = "raise") -> Tensor:
     _check_index_meta(index, "index")
     return table.new_empty((index.shape[0], *table.shape[1:]), device=index.device)
 
 
 @torch.library.register_fake("speedtorch_ops::pinned_gather_into")
-def _pinned_gather_into_fake(table: Tensor, index: Tensor, out: Tensor) -> None:
+def _pinned_gather_into_fake(table: Tensor, index: Tensor, out: Tensor, *,
+                             bounds_check: str = "raise") -> None:
     _check_index_meta(index, "index")
     torch._check(out.shape == (index.shape[0], *table.shape[1:]), lambda: "out has the wrong shape")
     torch._check(out.dtype == table.dtype, lambda: "out must have the table's dtype")
 
 
 @torch.library.register_fake("speedtorch_ops::pinned_scatter")
-def _pinned_scatter_fake(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False) -> None:
+def _pinned_scatter_fake(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False, *,
+                         bounds_check: str = "raise") -> None:
     _check_index_meta(index, "index")
     torch._check(src.shape == (index.shape[0], *table.shape[1:]), lambda: "src has the wrong shape")
     torch._check(src.dtype == table.dtype, lambda: "src must have the table's dtype")
 
 
 @torch.library.register_fake("speedtorch_ops::optimizer_state_swap")
-def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index) -> None:
+def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
+                               bounds_check: str = "raise") -> None:
     torch._check(len(stores) == len(batch), lambda: "stores and batch must pair up")
     for store, b in zip(stores, batch):
         torch._check(b.shape[1:] == store.shape[1:], lambda: "batch rows must match store rows")
@@ -156,7 +175,8 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index) -> No
 
 
 @torch.library.register_fake("speedtorch_ops::_sorted_transfer")
-def _sorted_transfer_fake(table, parts, sorted_rows, slots, load) -> None:
+def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, *,
+                          bounds_check: str = "raise") -> None:
     _check_index_meta(sorted_rows, "sorted_rows")
     _check_index_meta(slots, "slots")
     torch._check(table.dim() >= 2 and table.shape[1] == len(parts),
@@ -169,7 +189,7 @@ def _sorted_transfer_fake(table, parts, sorted_rows, slots, load) -> None:
 
 # ---- autograd: pinned_gather is index_select, so its gradient is an index_add ----------------
 
-def _gather_setup_context(ctx, inputs, output) -> None:
+def _gather_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     table, index = inputs
     ctx.save_for_backward(index)
     ctx.table_meta = (table.shape, table.dtype, table.device)

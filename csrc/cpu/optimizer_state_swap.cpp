@@ -7,7 +7,9 @@ namespace speedtorch_ops {
 
 void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
                               const std::optional<at::Tensor>& writeback_index,
-                              const std::optional<at::Tensor>& load_index) {
+                              const std::optional<at::Tensor>& load_index,
+                              c10::string_view bounds_check) {
+  parse_bounds_check(bounds_check);  // the values are checked on the host in every mode
   check_swap_args(stores, batch, writeback_index, load_index, c10::Device(c10::kCPU));
   const auto wb = writeback_index ? std::optional(writeback_index->contiguous()) : std::nullopt;
   const auto load = load_index ? std::optional(load_index->contiguous()) : std::nullopt;

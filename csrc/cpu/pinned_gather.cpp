@@ -1,8 +1,9 @@
-// CPU gather: out[i] = table[index[i]] for a CPU table (pinned or not) and a CPU index.
+// CPU gather: out[i] = table[index[i]] for a CPU table (pinned or not) and a CPU index. Index
+// values are checked on the host in every bounds_check mode (it costs no wait; see checks.h).
 #include "row_copy.h"
 #include "speedtorch_ops/checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -25,32 +26,20 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
   });
 }
 
-static at::Tensor empty_rows(const at::Tensor& table, int64_t n) {
-  auto sizes = table.sizes().vec();
-  sizes[0] = n;
-  return at::empty(sizes, table.options().pinned_memory(false));
-}
-
-at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index) {
-  check_table(table, "table");
-  check_index(index, "index");
+void pinned_gather_into_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out,
+                            c10::string_view bounds_check) {
+  parse_bounds_check(bounds_check);
+  check_gather_into_args(table, index, out, index.device());
   const auto idx = index.contiguous();
   check_index_values(idx, table.size(0), "index");
-  auto out = empty_rows(table, idx.numel());
   gather_rows_cpu(table, idx, out);
+}
+
+at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index,
+                             c10::string_view bounds_check) {
+  auto out = gather_output(table, index);
+  pinned_gather_into_cpu(table, index, out, bounds_check);
   return out;
-}
-
-void pinned_gather_into_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out) {
-  check_table(table, "table");
-  check_index(index, "index");
-  check_rows_like(out, "out", table, index.numel(), index.device());
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous (it is written in place)");
-  check_no_overlap(out, "out", table, "table");
-  check_no_overlap(out, "out", index, "index");
-  const auto idx = index.contiguous();
-  check_index_values(idx, table.size(0), "index");
-  gather_rows_cpu(table, idx, out);
 }
 
 TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {

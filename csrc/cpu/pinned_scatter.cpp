@@ -100,14 +100,9 @@ void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tens
 }
 
 void pinned_scatter_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
-                        bool accumulate) {
-  check_table(table, "table");
-  check_index(index, "index");
-  check_rows_like(src, "src", table, index.numel(), index.device());
-  TORCH_CHECK(!accumulate || !table.is_complex(),
-              "accumulate=True supports real and bool dtypes, got ", table.scalar_type());
-  check_no_overlap(table, "table", src, "src");
-  check_no_overlap(table, "table", index, "index");
+                        bool accumulate, c10::string_view bounds_check) {
+  parse_bounds_check(bounds_check);  // the values are checked on the host in every mode
+  check_scatter_args(table, index, src, accumulate, index.device());
   const auto idx = index.contiguous();
   check_index_values(idx, table.size(0), "index");
   scatter_rows_cpu(table, idx, src.contiguous(), accumulate);

@@ -14,7 +14,8 @@
 namespace speedtorch_ops {
 
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
-                         const at::Tensor& slots, bool load) {
+                         const at::Tensor& slots, bool load, c10::string_view bounds_check) {
+  parse_bounds_check(bounds_check);  // the values are checked on the host in every mode
   check_sorted_transfer_args(table, parts, sorted_rows, slots);
   const auto rows = sorted_rows.to(at::kLong).contiguous();
   const auto pos = slots.to(at::kLong).contiguous();

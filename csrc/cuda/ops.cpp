@@ -1,18 +1,22 @@
-// CUDA kernels of the ops: argument checks, then the transfers of transfer.cpp (indices on the
-// GPU) or hybrid.cpp (indices on the host). Everything runs on the current stream under a
-// device guard; nothing synchronizes the device. CUDA-graph safety: with CUDA indices the
-// transfers capture; the only host wait, reading back the index-validation status to raise in
-// the failing call, is skipped while the stream is capturing, where a bad index writes nothing
-// but cannot raise.
-#include "hybrid.h"
+// CUDA kernels of the ops: argument checks, then the one routing decision (route.h), then the
+// path it names. Everything runs on the current stream under a device guard; nothing
+// synchronizes the device. CUDA-graph safety: with CUDA indices and tables a kernel can address
+// the transfers capture; the host wait of bounds_check='raise' is skipped while capturing
+// (a bad index then writes nothing but cannot raise); paths with host work refuse to capture.
+#include "addressing.h"
+#include "hybrid/hybrid.h"
+#include "hybrid/tuner.h"
+#include "route.h"
 #include "speedtorch_ops/checks.h"
 #include "transfer.h"
+#include "validation.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <limits>
+#include <string>
 
 namespace speedtorch_ops {
 namespace {
@@ -20,6 +24,7 @@ namespace {
 using cuda_impl::DeviceIndex;
 using cuda_impl::Pair;
 using cuda_impl::Validation;
+using route::Path;
 
 void check_index_on(const at::Tensor& index, const char* name, const c10::Device& device) {
   check_index(index, name);
@@ -27,107 +32,160 @@ void check_index_on(const at::Tensor& index, const char* name, const c10::Device
               " (where the rows go) or on the CPU, got ", index.device());
 }
 
-std::vector<Pair> pairs_of(at::TensorList tables, at::TensorList batch, const c10::Device& device) {
-  std::vector<Pair> pairs;
-  for (const auto k : c10::irange(tables.size())) {
-    const auto name = tables.size() == 1 ? std::string("table") : "stores[" + std::to_string(k) + "]";
-    pairs.push_back({cuda_impl::device_rows(tables[k], name, device),
-                     static_cast<char*>(const_cast<void*>(batch[k].const_data_ptr())),
-                     row_bytes(tables[k]), !tables[k].is_cuda()});
-  }
-  return pairs;
+bool capturing(const c10::Device& device) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &capture));
+  return capture != cudaStreamCaptureStatusNone;
 }
 
-// The common body of the three ops: optional write-back of batch to rows writeback_index, then
+// The tables of one call, addressed for kernels on one device, with the names errors use.
+struct TableSet {
+  std::vector<std::string> names;
+  std::vector<cuda_impl::Addressed> at;
+  route::Call call;
+};
+
+TableSet address_all(at::TensorList tables, bool listed, const c10::Device& device) {
+  TableSet t;
+  for (const auto k : c10::irange(tables.size())) {
+    t.names.push_back(listed ? "stores[" + std::to_string(k) + "]" : "table");
+    t.at.push_back(cuda_impl::address(tables[k], t.names.back(), device));
+    t.call.add(t.at.back().memory);
+  }
+  return t;
+}
+
+// Raises for a path that refuses the call, naming the table or index at fault and the fix.
+void raise_if_refused(Path path, const TableSet& t, const c10::Device& device) {
+  if (!route::refused(path)) return;
+  std::string pageable;
+  for (const auto k : c10::irange(t.at.size())) {
+    if (t.at[k].memory == route::Memory::kPageableHost && pageable.empty()) pageable = t.names[k];
+  }
+  const std::string pin = "; allocate it with speedtorch_ops.empty_pinned(...) or pin it with "
+                          "speedtorch_ops.pin_(" + pageable + ")";
+  TORCH_CHECK(path != Path::kRefusedMixedTables, pageable, " is in pageable host memory, which "
+              "no kernel can address, and other tables are on ", device, pin,
+              ", or keep every table on the host");
+  TORCH_CHECK(path != Path::kRefusedCapture || pageable.empty(), pageable, " is in pageable host "
+              "memory, so its rows move through CPU threads, which a CUDA graph cannot capture",
+              pin, " to capture the transfer");
+  TORCH_CHECK(path != Path::kRefusedCapture, "a CPU index cannot be used while a CUDA graph is "
+              "being captured (the host takes part in the transfer); pass the index on ", device);
+  TORCH_CHECK(false, "the rows must be on the GPU when a table or an index is; pass them on ",
+              device);
+}
+
+// The common body of the ops: optional write-back of batch to rows writeback_index, then
 // optional load of rows load_index into batch, for every (table, batch) pair. Arguments are
 // checked except index values.
 void transfer(at::TensorList tables, at::TensorList batch,
               const std::optional<at::Tensor>& writeback_index,
-              const std::optional<at::Tensor>& load_index, bool accumulate,
-              const c10::Device& device) {
-  int64_t min_rows = std::numeric_limits<int64_t>::max();
-  bool host_tables = true;
-  for (const auto& t : tables) {
-    min_rows = std::min(min_rows, t.size(0));
-    host_tables = host_tables && t.is_cpu();
-  }
-  const bool host_wb = writeback_index && writeback_index->is_cpu();
-  const bool host_load = load_index && load_index->is_cpu();
+              const std::optional<at::Tensor>& load_index, bool accumulate, bool listed,
+              BoundsCheck mode, const c10::Device& device) {
   c10::cuda::CUDAGuard guard(device);
-  if (host_wb || host_load) {
-    TORCH_CHECK((!writeback_index || host_wb) && (!load_index || host_load),
-                "writeback_index and load_index must both be on the CPU or both on ", device);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &capture));
-    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "a CPU index cannot be used while a CUDA "
-                "graph is being captured (the host takes part in the transfer); pass the index "
-                "on ", device);
-    if (writeback_index) check_index_values(writeback_index->contiguous(), min_rows, "writeback_index");
-    if (load_index) check_index_values(load_index->contiguous(), min_rows, "load_index");
-    if (host_tables) {  // CPU threads and DMA share the work with the zero-copy kernels
-      cuda_impl::hybrid_transfer(tables.vec(), batch.vec(), writeback_index, load_index,
-                                 accumulate, device);
-      return;
-    }
-    cuda_impl::transfer_with_host_indices(pairs_of(tables, batch, device), writeback_index,
-                                          load_index, min_rows, tables[0], accumulate, device);
+  const auto& any_index = writeback_index ? *writeback_index : *load_index;
+  TORCH_CHECK(!writeback_index || !load_index ||
+              writeback_index->device() == load_index->device(),
+              "writeback_index and load_index must both be on the CPU or both on ", device);
+  TableSet t = address_all(tables, listed, device);
+  int64_t min_rows = std::numeric_limits<int64_t>::max();
+  int64_t total_rb = 0;
+  for (const auto& table : tables) {
+    min_rows = std::min(min_rows, table.size(0));
+    total_rb += row_bytes(table);
+  }
+  const int64_t n_wb = writeback_index ? writeback_index->numel() : 0;
+  const int64_t n_load = load_index ? load_index->numel() : 0;
+  t.call.index_on_device = any_index.is_cuda();
+  t.call.rows_on_device = true;
+  t.call.capturing = capturing(device);
+  t.call.load_rows = n_load;
+  t.call.moved_bytes = (n_wb + n_load) * total_rb;
+  t.call.hybrid_share = cuda_impl::fixed_share();
+  const Path path = route::route(t.call);
+  raise_if_refused(path, t, device);
+
+  std::vector<Pair> pairs;
+  for (const auto k : c10::irange(tables.size())) {
+    pairs.push_back({t.at[k].rows, static_cast<char*>(const_cast<void*>(batch[k].const_data_ptr())),
+                     row_bytes(tables[k])});
+  }
+  // Indices the path reads on the host, or that are there already, are checked there (a CUDA
+  // index is brought over for a pageable table: that copy waits for the current stream, as
+  // the CPU side must before it touches the rows anyway).
+  const auto on_host = [&](const std::optional<at::Tensor>& index, const char* name) {
+    if (!index) return index;
+    auto host = index->to(at::kCPU).contiguous();
+    check_index_values(host, min_rows, name);
+    return std::optional(host);
+  };
+  if (route::reads_index_on_host(path)) {
+    cuda_impl::hybrid_transfer(tables.vec(), pairs, on_host(writeback_index, "writeback_index"),
+                               on_host(load_index, "load_index"), accumulate, path, device);
     return;
   }
-  auto pairs = pairs_of(tables, batch, device);
-  Validation v(device);
-  std::optional<DeviceIndex> wb, load;
-  if (writeback_index) wb.emplace(v.add(*writeback_index, min_rows, "writeback_index"), std::nullopt);
-  if (load_index) load.emplace(v.add(*load_index, min_rows, "load_index"), std::nullopt);
+  Validation v(device, mode == BoundsCheck::kRaise && !t.call.capturing);
+  const auto on_device = [&](const std::optional<at::Tensor>& index, const char* name) {
+    std::optional<DeviceIndex> di;
+    if (!index) return di;
+    if (index->is_cuda()) {
+      di.emplace(v.add(*index, min_rows, name), std::nullopt);
+    } else {
+      di.emplace(DeviceIndex::upload(*on_host(index, name), device));
+    }
+    return di;
+  };
+  auto wb = on_device(writeback_index, "writeback_index");
+  auto load = on_device(load_index, "load_index");
   // Per pair, the write-back is queued before the load on the same stream, so a row in both
   // indices is written back before it is loaded.
-  if (wb) cuda_impl::scatter_pairs(pairs, *wb, min_rows, tables[0], accumulate, v);
-  if (load) cuda_impl::gather_pairs(pairs, *load, v);
+  if (wb) cuda_impl::scatter_pairs(pairs, *wb, path, min_rows, tables[0], accumulate, v);
+  if (load) cuda_impl::gather_pairs(pairs, *load, path, v);
   v.raise_if_bad();
 }
 
 }  // namespace
 
-void pinned_gather_into_cuda(const at::Tensor& table, const at::Tensor& index, at::Tensor& out) {
-  check_table(table, "table");
+void pinned_gather_into_cuda(const at::Tensor& table, const at::Tensor& index, at::Tensor& out,
+                             c10::string_view bounds_check) {
+  const auto mode = parse_bounds_check(bounds_check);
   TORCH_CHECK(out.is_cuda() || index.is_cuda(), "index is on ", index.device(), " and out on ",
               out.device(), " but table is on the GPU; keep all on the CPU, or put out on the GPU");
   const auto device = out.is_cuda() ? out.device() : index.device();
   check_index_on(index, "index", device);
-  check_rows_like(out, "out", table, index.numel(), device);
-  TORCH_CHECK(out.is_contiguous(), "out must be contiguous (it is written in place)");
-  check_no_overlap(out, "out", table, "table");
-  check_no_overlap(out, "out", index, "index");
-  transfer({table}, {out}, std::nullopt, index, /*accumulate=*/false, device);
+  check_gather_into_args(table, index, out, device);
+  transfer({table}, {out}, std::nullopt, index, /*accumulate=*/false, /*listed=*/false, mode,
+           device);
 }
 
-at::Tensor pinned_gather_cuda(const at::Tensor& table, const at::Tensor& index) {
+at::Tensor pinned_gather_cuda(const at::Tensor& table, const at::Tensor& index,
+                              c10::string_view bounds_check) {
   TORCH_CHECK(index.is_cuda(), "index is on ", index.device(), " but table is on the GPU; pass "
               "index.to('", table.device(), "') (rows land on index's device)");
-  auto sizes = table.sizes().vec();
-  sizes[0] = index.numel();
-  auto out = at::empty(sizes, table.options().device(index.device()).pinned_memory(false));
-  pinned_gather_into_cuda(table, index, out);
+  auto out = gather_output(table, index);
+  pinned_gather_into_cuda(table, index, out, bounds_check);
   return out;
 }
 
 void pinned_scatter_cuda(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
-                         bool accumulate) {
-  check_table(table, "table");
+                         bool accumulate, c10::string_view bounds_check) {
+  const auto mode = parse_bounds_check(bounds_check);
   TORCH_CHECK(src.is_cuda() || index.is_cuda(), "index is on ", index.device(), " and src on ",
               src.device(), " but table is on the GPU; keep all on the CPU, or put src on the "
               "GPU");
   const auto device = index.is_cuda() ? index.device() : src.device();
   check_index_on(index, "index", device);
-  check_rows_like(src, "src", table, index.numel(), device);
-  check_no_overlap(table, "table", src, "src");
-  check_no_overlap(table, "table", index, "index");
-  if (accumulate) cuda_impl::check_accumulate_dtype(table.scalar_type());
-  transfer({table}, {src.contiguous()}, index, std::nullopt, accumulate, device);
+  check_scatter_args(table, index, src, accumulate, device);
+  transfer({table}, {src.contiguous()}, index, std::nullopt, accumulate, /*listed=*/false, mode,
+           device);
 }
 
 void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
                                const std::optional<at::Tensor>& writeback_index,
-                               const std::optional<at::Tensor>& load_index) {
+                               const std::optional<at::Tensor>& load_index,
+                               c10::string_view bounds_check) {
+  const auto mode = parse_bounds_check(bounds_check);
   // The rows go where the batch lives (or, with no batch, where an index lives).
   const auto device = !batch.empty()    ? batch[0].device()
                       : load_index      ? load_index->device()
@@ -138,32 +196,45 @@ void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
               "batch tensors must be on the GPU");
   if (writeback_index) check_index_on(*writeback_index, "writeback_index", device);
   if (load_index) check_index_on(*load_index, "load_index", device);
-  if (stores.empty()) return;
-  transfer(stores, batch, writeback_index, load_index, /*accumulate=*/false, device);
+  if (stores.empty() || (!writeback_index && !load_index)) return;
+  transfer(stores, batch, writeback_index, load_index, /*accumulate=*/false, /*listed=*/true, mode,
+           device);
 }
 
 void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
-                          const at::Tensor& slots, bool load) {
+                          const at::Tensor& slots, bool load, c10::string_view bounds_check) {
+  const auto mode = parse_bounds_check(bounds_check);
   const auto device = check_sorted_transfer_args(table, parts, sorted_rows, slots);
   TORCH_CHECK(device.is_cuda(), "parts are on ", device, " but table is on the GPU; put the "
               "parts and both indices on the table's GPU");
   c10::cuda::CUDAGuard guard(device);
-  char* rows_base = cuda_impl::device_rows(table, "table", device);
+  const auto at = cuda_impl::address(table, "table", device);
+  route::Call call;
+  call.add(at.memory);
+  call.index_on_device = call.rows_on_device = call.presorted = true;
+  call.capturing = capturing(device);
+  call.load_rows = load ? sorted_rows.numel() : 0;
+  const Path path = route::route(call);
+  TORCH_CHECK(path != Path::kHostStaged && path != Path::kRefusedCapture, "table is in pageable "
+              "host memory, which _sorted_transfer cannot reach from the GPU; allocate it with "
+              "speedtorch_ops.empty_pinned(...) or pin it with speedtorch_ops.pin_(table), or move "
+              "its rows with pinned_gather_into / pinned_scatter (they take such tables through "
+              "the CPU)");
   const int64_t rb = row_bytes(table);
   const int64_t pb = rb / static_cast<int64_t>(parts.size());
   std::vector<Pair> pairs;
   for (const auto k : c10::irange(parts.size())) {
-    pairs.push_back({rows_base + static_cast<int64_t>(k) * pb,
-                     static_cast<char*>(parts[k].mutable_data_ptr()), pb, !table.is_cuda(), rb});
+    pairs.push_back({at.rows + static_cast<int64_t>(k) * pb,
+                     static_cast<char*>(parts[k].mutable_data_ptr()), pb, rb});
   }
-  Validation v(device);
+  Validation v(device, mode == BoundsCheck::kRaise && !call.capturing);
   auto rows = v.add(sorted_rows, table.size(0), "sorted_rows");
   auto pos = v.add(slots, parts[0].size(0), "slots");
   auto index = DeviceIndex::presorted(rows, pos);
   if (load) {
-    cuda_impl::gather_pairs(pairs, index, v);
+    cuda_impl::gather_pairs(pairs, index, path, v);
   } else {
-    cuda_impl::scatter_pairs(pairs, index, table.size(0), table, /*accumulate=*/false, v);
+    cuda_impl::scatter_pairs(pairs, index, path, table.size(0), table, /*accumulate=*/false, v);
   }
   v.raise_if_bad();
 }

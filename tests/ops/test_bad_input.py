@@ -136,15 +136,10 @@ def test_non_contiguous_table_is_refused(store, gen):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_wrong_devices_and_pageable_tables(gen):
+def test_wrong_devices(gen):
+    """(A pageable table with a CUDA index is no error: tests/ops/test_hybrid.py.)"""
     data = random_rows((ROWS, 4), torch.float32, gen)
-    pageable = data.clone()
     cuda_idx = torch.tensor([1, 2], device="cuda")
-    with pytest.raises(RuntimeError, match="table is in pageable host memory"):
-        speedtorch_ops.pinned_gather(pageable, cuda_idx)
-    with pytest.raises(RuntimeError, match="table is in pageable host memory"):
-        speedtorch_ops.pinned_scatter(pageable, cuda_idx, torch.ones(2, 4, device="cuda"))
-    assert torch.equal(pageable, data)
     on_gpu = data.cuda()
     with pytest.raises(RuntimeError, match="index is on cpu but table is on the GPU"):
         speedtorch_ops.pinned_gather(on_gpu, torch.tensor([1, 2]))
@@ -159,20 +154,58 @@ def test_wrong_devices_and_pageable_tables(gen):
     torch.cuda.synchronize()
 
 
+def _every_op(table, index, dev, gen, bounds_check):
+    """Calls every transfer op with `index` (each call in its own pytest.raises-able thunk)."""
+    n = index.numel()
+    rows = random_rows((n, 4), torch.float32, gen).to(dev)
+    sorted_rows, slots = torch.sort(index, stable=True)
+    wide = table.view(ROWS, 2, 2)
+    return [
+        lambda: speedtorch_ops.pinned_gather(table, index, bounds_check=bounds_check),
+        lambda: speedtorch_ops.pinned_gather_into(table, index, rows, bounds_check=bounds_check),
+        lambda: speedtorch_ops.pinned_scatter(table, index, rows, bounds_check=bounds_check),
+        lambda: speedtorch_ops.pinned_scatter(table, index, rows, True, bounds_check=bounds_check),
+        lambda: speedtorch_ops.optimizer_state_swap([table], [rows], index, index,
+                                                    bounds_check=bounds_check),
+        lambda: speedtorch_ops.ops._sorted_transfer(
+            wide, [rows[:, :2].contiguous(), rows[:, 2:].contiguous()], sorted_rows, slots,
+            load=False, bounds_check=bounds_check),
+    ]
+
+
 @pytest.mark.parametrize("store", STORES)
-def test_host_validated_calls_write_nothing_for_bad_indices(store, gen):
-    """Inside ops.host_validated() (the factories, which check ids on the host) CUDA calls skip
-    the wait that raises; a bad index still writes nothing, and the setting is restored after."""
+def test_prechecked_bad_index_writes_nothing(store, gen):
+    """bounds_check="prechecked" (the caller validated on the host): with a CUDA index a bad one
+    writes nothing and raises nothing (no wait for the stream); the CPU kernels check on the
+    host anyway, so they still raise."""
     data, table, dev = _setup(store, gen)
-    bad = torch.tensor([1, ROWS], device=dev)
-    src = torch.ones(2, 4, device=dev)
-    with speedtorch_ops.ops.host_validated():
-        if store == "cpu":  # CPU kernels check on the host anyway: they always raise
-            with pytest.raises(RuntimeError, match="out of range"):
-                speedtorch_ops.pinned_scatter(table, bad, src)
+    bad = torch.tensor([1, ROWS, 2], device=dev)
+    for call in _every_op(table, bad, dev, gen, "prechecked"):
+        if store == "cpu":
+            with pytest.raises(RuntimeError, match=r"\] = 20 is out of range"):
+                call()
         else:
-            speedtorch_ops.pinned_scatter(table, bad, src)
+            call()
             torch.cuda.synchronize()
+        assert torch.equal(table.cpu(), data), "table was written"
+    out = torch.full((3, 4), 7.0, device=dev)
+    if store != "cpu":
+        speedtorch_ops.pinned_gather_into(table, bad, out, bounds_check="prechecked")
+        assert torch.equal(out.cpu(), torch.full((3, 4), 7.0)), "out was written"
+    with pytest.raises(RuntimeError, match="out of range"):  # the default raises
+        speedtorch_ops.pinned_scatter(table, bad, torch.ones(3, 4, device=dev))
+    good = torch.tensor([0, ROWS - 1], device=dev)
+    rows = speedtorch_ops.pinned_gather(table, good, bounds_check="prechecked")
+    assert torch.equal(rows.cpu(), data[[0, ROWS - 1]])
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("mode", ["", "Raise", "none", "warn"])
+def test_unknown_bounds_check_mode_raises(store, mode, gen):
+    data, table, dev = _setup(store, gen)
+    good = torch.tensor([1, 2, 3], device=dev)
+    for call in _every_op(table, good, dev, gen, mode):
+        with pytest.raises(RuntimeError, match=f"bounds_check must be 'raise' .* or 'prechecked' "
+                                               f".*got '{mode}'"):
+            call()
     assert torch.equal(table.cpu(), data)
-    with pytest.raises(RuntimeError, match="out of range"):
-        speedtorch_ops.pinned_scatter(table, bad, src)

@@ -1,7 +1,9 @@
 """The hybrid path: a CPU index with a host table and rows on the GPU. CPU threads (through pinned
 staging and DMA copies) and the zero-copy kernels each move a share of the rows, split by a hash
 of the row. Every test runs with fixed shares (all CPU, a mix, all zero-copy) and the automatic
-split, against plain PyTorch indexing. GPU only: run by scripts/gpu_check.sh on the GPU machine."""
+split, against plain PyTorch indexing. A pageable table (no kernel can address it) takes the
+CPU side alone, with a CPU index or with a CUDA index (brought to the host). GPU only: run by
+scripts/gpu_check.sh on the GPU machine."""
 
 import pytest
 import torch
@@ -108,6 +110,68 @@ def test_pageable_table_moves_through_the_cpu(share, gen):
     table = data.clone()
     assert not table.is_pinned()
     gather_then_scatter(table, data, 5000, gen)
+
+
+@pytest.mark.parametrize("bounds_check", ["raise", "prechecked"])
+def test_pageable_table_with_a_cuda_index_moves_through_the_cpu(share, bounds_check, gen):
+    """The index on the rows' device, as callers pass it: a pageable table routes to the CPU
+    side (the index is brought to the host, where it is checked in every bounds_check mode)."""
+    data = random_rows((1000, 16), torch.float32, gen)
+    table = data.clone()
+    index = cpu_index(5000, 1000, gen).cuda()
+    got = speedtorch_ops.pinned_gather(table, index, bounds_check=bounds_check)
+    assert got.is_cuda and torch.equal(got.cpu(), data[index.cpu()]), f"seed {gen.initial_seed()}"
+    out = torch.empty((5000, 16), device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out, bounds_check=bounds_check)
+    assert torch.equal(out.cpu(), data[index.cpu()])
+    src = random_rows((5000, 16), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src, bounds_check=bounds_check)
+    data = last_wins_reference(data, index, src)
+    assert torch.equal(table, data), f"seed {gen.initial_seed()}"
+    speedtorch_ops.pinned_scatter(table, index, src, accumulate=True, bounds_check=bounds_check)
+    data = sequential_add_reference(data, index, src)
+    assert torch.equal(table, data), f"seed {gen.initial_seed()}"
+    other_data = random_rows((1000, 3), torch.bfloat16, gen)
+    other = other_data.clone()
+    batch = [random_rows((5000, 16), torch.float32, gen).cuda(),
+             random_rows((5000, 3), torch.bfloat16, gen).cuda()]
+    written = [b.clone() for b in batch]
+    load = cpu_index(5000, 1000, gen).cuda()
+    speedtorch_ops.optimizer_state_swap([table, other], batch, index, load,
+                                        bounds_check=bounds_check)
+    for d, t, b, w in ((data, table, batch[0], written[0]),
+                       (other_data, other, batch[1], written[1])):
+        ref = last_wins_reference(d, index, w)
+        assert torch.equal(t, ref) and torch.equal(b.cpu(), ref[load.cpu()])
+    before = table.clone()
+    bad = index.clone()
+    bad[4321] = 1000
+    with pytest.raises(RuntimeError, match=r"index\[4321\] = 1000 is out of range"):
+        speedtorch_ops.pinned_scatter(table, bad, src, bounds_check=bounds_check)
+    out.fill_(5.0)
+    with pytest.raises(RuntimeError, match=r"index\[4321\] = 1000 is out of range"):
+        speedtorch_ops.pinned_gather_into(table, bad, out, bounds_check=bounds_check)
+    assert torch.equal(table, before) and bool((out == 5.0).all())
+
+
+def test_pageable_table_refused_beside_cuda_tables_and_under_capture(gen):
+    data = random_rows((50, 4), torch.float32, gen)
+    pageable = data.clone()
+    index = torch.tensor([1, 2, 3], device="cuda")
+    batch = [torch.zeros(3, 4, device="cuda"), torch.zeros(3, 4, device="cuda")]
+    with pytest.raises(RuntimeError, match=r"stores\[1\] is in pageable host memory, which no "
+                                           r"kernel can address, and other tables are on cuda"):
+        speedtorch_ops.optimizer_state_swap([data.cuda(), pageable], batch, None, index)
+    out = torch.zeros((3, 4), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="table is in pageable host memory, so its rows move "
+                                           "through CPU threads, which a CUDA graph cannot"):
+        with torch.cuda.graph(graph):
+            speedtorch_ops.pinned_gather_into(pageable, index, out)
+    torch.cuda.synchronize()
+    assert torch.equal(pageable, data) and bool((out == 0).all())
+    speedtorch_ops.pinned_gather_into(pageable, index, out)  # the context still works
+    assert torch.equal(out.cpu(), data[[1, 2, 3]])
 
 
 def test_bad_index_writes_nothing(share, gen):

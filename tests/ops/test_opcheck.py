@@ -33,17 +33,18 @@ def _copies_stay_pinned():
         generate_tests.clone_input = original
 
 
-def opcheck(op, args, store):
+def opcheck(op, args, store, kwargs=None):
     """opcheck with every default test util, except test_aot_dispatch_dynamic on a pinned store:
     it always runs the op on torch.clone() copies of the arguments (pageable, and full-size
     copies of the table). The cpu and cuda stores run it for the same op; torch.compile of the
     pinned store is covered in tests/ops/test_compile.py."""
     if store != "pinned":
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args, kwargs)
         return
     with _copies_stay_pinned():
         torch.library.opcheck(
-            op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+            op, args, kwargs,
+            test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _samples(store, gen):
@@ -61,6 +62,9 @@ def test_opcheck_pinned_gather(store, gen):
     for table, index, src in _samples(store, gen):
         opcheck(ops.pinned_gather.default, (table, index), store)
         opcheck(ops.pinned_gather_into.default, (table, index, torch.empty_like(src)), store)
+    opcheck(ops.pinned_gather.default, (table, index), store, {"bounds_check": "prechecked"})
+    opcheck(ops.pinned_gather_into.default, (table, index, torch.empty_like(src)), store,
+            {"bounds_check": "prechecked"})
     table = place(random_rows((37, 5), torch.float64, gen), store).requires_grad_()
     opcheck(ops.pinned_gather.default, (table, random_index(7, 37, torch.int64, store, gen)), store)
 
@@ -70,6 +74,7 @@ def test_opcheck_pinned_scatter(store, gen):
     for table, index, src in _samples(store, gen):
         for accumulate in (False, True):
             opcheck(ops.pinned_scatter.default, (table, index, src, accumulate), store)
+    opcheck(ops.pinned_scatter.default, (table, index, src), store, {"bounds_check": "prechecked"})
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -81,6 +86,8 @@ def test_opcheck_optimizer_state_swap(store, gen):
     load = random_index(8, 30, torch.int64, store, gen)
     for args in ((wb, load), (None, load), (wb, None)):
         opcheck(ops.optimizer_state_swap.default, (stores, batch, *args), store)
+    opcheck(ops.optimizer_state_swap.default, (stores, batch, wb, load), store,
+            {"bounds_check": "prechecked"})
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -92,3 +99,5 @@ def test_opcheck_sorted_transfer(store, gen):
         parts = [random_rows((19, 5), dtype, gen).to(dev) for _ in range(3)]
         for load in (True, False):
             opcheck(ops._sorted_transfer.default, (table, parts, sorted_rows, slots, load), store)
+        opcheck(ops._sorted_transfer.default, (table, parts, sorted_rows, slots, True), store,
+                {"bounds_check": "prechecked"})

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 
 #include <cstdint>
 #include <vector>
@@ -33,6 +34,38 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
 // Bytes of one row (product of the trailing dims times the element size).
 int64_t row_bytes(const at::Tensor& table);
 
+// The ops' bounds_check argument. Every mode writes nothing for a bad index; they differ in
+// whether the failing call raises.
+//   kRaise: a bad index raises in the failing call. CUDA indices are checked on the device and
+//     the call waits for the current stream to read the result (not while a CUDA graph is
+//     being captured: the check then only keeps a bad index from writing).
+//   kPrechecked: the caller validated the indices on the host. CUDA indices are still checked
+//     on the device, so a bad one writes nothing, but the call neither waits nor raises: the
+//     host runs ahead of the GPU.
+// Indices a call reads on the host (the CPU kernels, the hybrid path, a pageable table) are
+// checked there in every mode and a bad one raises: that check costs no wait.
+enum class BoundsCheck { kRaise, kPrechecked };
+
+// The mode named by `mode`; anything else raises, naming bounds_check and the valid values.
+BoundsCheck parse_bounds_check(c10::string_view mode);
+
+// accumulate=True is defined for real and bool dtypes (the dtypes both devices' kernels add).
+void check_accumulate_dtype(at::ScalarType dtype);
+
+// Checks of pinned_gather_into on either device: table, index, out of shape (n, *row shape) in
+// the table's dtype on `device`, contiguous, sharing no memory with table or index.
+void check_gather_into_args(const at::Tensor& table, const at::Tensor& index,
+                            const at::Tensor& out, const c10::Device& device);
+
+// pinned_gather's result on either device, after checking table and index: rows of the table's
+// shape and dtype, one per index, on index's device, not pinned.
+at::Tensor gather_output(const at::Tensor& table, const at::Tensor& index);
+
+// Checks of pinned_scatter on either device: table, index, src shaped like out above on
+// `device`, sharing no memory with table; index sharing none with table; the accumulate dtype.
+void check_scatter_args(const at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                        bool accumulate, const c10::Device& device);
+
 // The CPU cores of the ops, reused by optimizer_state_swap and by the C++ tests. They assume
 // the checks above have passed; index is contiguous.
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
@@ -40,15 +73,18 @@ void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tens
                       bool accumulate);
 
 // Kernels, named <op>_<device>, with the schema's signature.
-at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index);
-void pinned_gather_into_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
+at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index,
+                             c10::string_view bounds_check);
+void pinned_gather_into_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out,
+                            c10::string_view bounds_check);
 void pinned_scatter_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
-                        bool accumulate);
+                        bool accumulate, c10::string_view bounds_check);
 void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
                               const std::optional<at::Tensor>& writeback_index,
-                              const std::optional<at::Tensor>& load_index);
+                              const std::optional<at::Tensor>& load_index,
+                              c10::string_view bounds_check);
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
-                         const at::Tensor& slots, bool load);
+                         const at::Tensor& slots, bool load, c10::string_view bounds_check);
 
 // Checks shared by both devices' optimizer_state_swap: pairs, shapes, dtypes, aliasing.
 void check_swap_args(at::TensorList stores, at::TensorList batch,
@@ -61,9 +97,5 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
 // two indices (n each, on the parts' device), no aliasing. Returns the parts' device.
 c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
                                        const at::Tensor& sorted_rows, const at::Tensor& slots);
-
-// Whether CUDA calls on this thread wait for their index validation to raise (default true).
-bool set_index_wait(bool enabled);
-bool index_wait();
 
 }  // namespace speedtorch_ops

@@ -1,0 +1,261 @@
+// The hybrid path: see hybrid.h. Timeline of one call (cur = the caller's stream, dma = the
+// copy stream of staging.h):
+//   host: wait for cur to reach the call (the CPU touches tables and rows only after the work
+//         queued before it), split each index (split.h), upload the zero-copy side's indices.
+//   cur:  zero-copy write-back, then zero-copy load (sorted reads, each distinct row once).
+//   dma:  write-back rows gathered from the batch into device scratch (one launch), copied to
+//         pinned staging chunk by chunk; the host scatters each chunk into the tables as it
+//         lands. Then the host gathers the load rows chunk by chunk into pinned staging, each
+//         chunk copied up while the next is gathered, and one launch moves them into the batch.
+//   cur waits for dma at the end; the call returns when the host part is done.
+#include "hybrid.h"
+
+#include "speedtorch_ops/checks.h"
+#include "split.h"
+#include "staging.h"
+#include "tuner.h"
+
+#include <ATen/Parallel.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+namespace speedtorch_ops::cuda_impl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void parallel_blocks(int64_t blocks, const std::function<void(int64_t)>& task) {
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) task(b);
+  });
+}
+
+// The zero-copy side's path: mapped tables, indices on the device (sorted reads for long loads).
+route::Path zero_copy_path(int64_t load_rows) {
+  route::Call call;
+  call.add(route::Memory::kMappedHost);
+  call.index_on_device = call.rows_on_device = true;
+  call.load_rows = load_rows;
+  return route::route(call);
+}
+
+// One index split in two sides. Its zero-copy rows and positions and its CPU side's positions
+// go to the GPU in one upload buffer, from offset `at`; the CPU side's rows stay on the host.
+struct Side {
+  hybrid::Split split;
+  int64_t at = 0;
+  at::Tensor cpu_rows;
+};
+
+// Load only: the zero-copy kernels read positions [0, z) of the index, CPU threads the rest,
+// chunk by chunk into pinned staging, each chunk copied straight to its place in the batch while
+// the next is gathered. A load has no duplicates to resolve, so no split pass and no scratch.
+void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                      const at::Tensor& idx, const c10::Device& device,
+                      const at::cuda::CUDAStream& cur, DeviceState& state, Sample& sample) {
+  const int64_t n = idx.numel();
+  const int64_t z = hybrid::zero_copy_prefix(sample.share, n);
+  if (z > 0) {
+    Validation v(device, /*wait=*/false);  // nothing to validate: the values were checked
+    auto host = pinned_area(state.upload, z * 8).view(at::kLong).copy_(idx.narrow(0, 0, z));
+    DeviceIndex di(host.to(device, /*non_blocking=*/true), std::nullopt);
+    gather_pairs(pairs, di, zero_copy_path(z), v);
+  }
+  sample.zc_end->record(cur);
+  const auto dma = dma_stream(device.index());
+  sample.start->block(dma);  // the batch rows are written after the work queued before the call
+  const int64_t chunk = chunk_rows(pairs);
+  if (z < n) {
+    Staging staging(pairs, n - z, device, dma, state.up, /*scratch=*/false);
+    for (int64_t b = 0; b < n - z; b += chunk) {
+      const int64_t len = std::min(chunk, n - z - b);
+      const auto rows = idx.narrow(0, z + b, len);
+      for (const auto k : c10::irange(pairs.size())) {
+        auto out = staging.rows(pairs, k, b, len, tables[k]);
+        gather_rows_cpu(tables[k], rows, out);
+      }
+      for (const auto k : c10::irange(pairs.size())) {
+        const int64_t rb = pairs[k].row_bytes;
+        C10_CUDA_CHECK(cudaMemcpyAsync(pairs[k].batch + (z + b) * rb,
+                                       staging.host_block(k) + b * rb, len * rb,
+                                       cudaMemcpyHostToDevice, dma));
+      }
+    }
+  }
+  sample.dma_end->record(dma);
+  sample.dma_end->block(cur);  // later work on cur follows the copies
+}
+
+// Write-back (and load): both indices split by row hash, so a row written back is loaded by
+// the side that wrote it.
+void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                  const at::Tensor& wb, const std::optional<at::Tensor>& load, bool accumulate,
+                  const c10::Device& device, const at::cuda::CUDAStream& cur, DeviceState& state,
+                  Sample& sample, Clock::time_point t0) {
+  const int64_t min_rows = tables[0].size(0);
+  const uint32_t threshold = hybrid::threshold_of(sample.share);
+  // One upload buffer for the zero-copy rows and positions and the CPU side's positions.
+  std::optional<Side> swb, sload;
+  int64_t upload_n = 0;
+  for (auto [idx, side] : {std::pair{&wb, &swb}, std::pair{load ? &*load : nullptr, &sload}}) {
+    if (idx == nullptr) continue;
+    side->emplace();
+    (*side)->split = hybrid::count_split(idx->const_data_ptr<int64_t>(), idx->numel(), threshold,
+                                         parallel_blocks);
+    (*side)->at = upload_n;
+    (*side)->cpu_rows = at::empty({(*side)->split.n_cpu}, at::kLong);
+    upload_n += 2 * (*side)->split.n_zc + (*side)->split.n_cpu;
+  }
+  auto upload = pinned_area(state.upload, upload_n * 8).view(at::kLong);
+  const auto fill = [&](const at::Tensor& idx, Side& side) {
+    int64_t* zc_rows = upload.mutable_data_ptr<int64_t>() + side.at;
+    int64_t* zc_pos = zc_rows + side.split.n_zc;
+    hybrid::fill_split(idx.const_data_ptr<int64_t>(), threshold, side.split,
+                       {zc_rows, zc_pos, side.cpu_rows.mutable_data_ptr<int64_t>(),
+                        zc_pos + side.split.n_zc},
+                       parallel_blocks);
+  };
+  fill(wb, *swb);
+  if (sload) fill(*load, *sload);
+  // Nothing to validate (the values were checked); its status is zeroed on cur, before the
+  // event dma waits for.
+  Validation v(device, /*wait=*/false);
+  const auto dev = upload.to(device, /*non_blocking=*/true);
+  const auto part = [&](int64_t offset, int64_t n) { return dev.narrow(0, offset, n); };
+  at::cuda::CUDAEvent uploaded;
+  uploaded.record(cur);
+  const auto dma = dma_stream(device.index());
+  uploaded.block(dma);
+
+  const int64_t chunk = chunk_rows(pairs);
+  const auto cpu_pos = [&](const Side& s) {
+    return part(s.at + 2 * s.split.n_zc, s.split.n_cpu).const_data_ptr<int64_t>();
+  };
+
+  // 1. The GPU work of both directions is queued first. Zero-copy write-back on cur; the CPU
+  // side's write-back rows gathered from the batch into scratch (one launch) and copied down
+  // chunk by chunk on dma; then the zero-copy load on cur, once dma has read the batch.
+  at::cuda::CUDAEvent zc_wb_done, wb_read;
+  std::optional<Staging> down, up;
+  std::vector<at::cuda::CUDAEvent> landed;
+  const hybrid::Split& w = swb->split;
+  if (w.n_zc > 0) {
+    DeviceIndex di(part(swb->at, w.n_zc), part(swb->at + w.n_zc, w.n_zc));
+    scatter_pairs(pairs, di, zero_copy_path(0), min_rows, tables[0], accumulate, v);
+  }
+  zc_wb_done.record(cur);
+  if (w.n_cpu > 0) {
+    down.emplace(pairs, w.n_cpu, device, dma, state.down);
+    move_blocks(pairs, *down, /*to_batch=*/false, cpu_pos(*swb), w.n_cpu, v, dma);
+    wb_read.record(dma);
+    for (int64_t b = 0; b < w.n_cpu; b += chunk) {
+      down->copy_chunk(pairs, b, std::min(chunk, w.n_cpu - b), cudaMemcpyDeviceToHost, dma);
+      landed.emplace_back();
+      landed.back().record(dma);
+    }
+  }
+  if (sload && sload->split.n_zc > 0) {
+    const hybrid::Split& l = sload->split;
+    if (down) wb_read.block(cur);  // the batch is read before it is loaded
+    DeviceIndex di(part(sload->at, l.n_zc), part(sload->at + l.n_zc, l.n_zc));
+    gather_pairs(pairs, di, zero_copy_path(l.n_zc), v);
+  }
+  sample.zc_end->record(cur);
+  sample.queued_ms = ms_since(t0);
+
+  // 2. The CPU side of the write-back, each chunk as it lands.
+  for (size_t c = 0; c < landed.size(); ++c) {
+    const int64_t b = static_cast<int64_t>(c) * chunk;
+    const int64_t len = std::min(chunk, w.n_cpu - b);
+    landed[c].synchronize();
+    const auto rows = swb->cpu_rows.narrow(0, b, len);
+    for (const auto k : c10::irange(pairs.size())) {
+      auto table = tables[k];
+      scatter_rows_cpu(table, rows, down->rows(pairs, k, b, len, table), accumulate);
+    }
+  }
+
+  // 3. The CPU side of the load: each chunk gathered into staging and copied up while the next
+  // is gathered; one launch moves the rows into the batch once the zero-copy write-back (which
+  // reads the batch) is done.
+  if (sload && sload->split.n_cpu > 0) {
+    const hybrid::Split& l = sload->split;
+    up.emplace(pairs, l.n_cpu, device, dma, state.up);
+    for (int64_t b = 0; b < l.n_cpu; b += chunk) {
+      const int64_t len = std::min(chunk, l.n_cpu - b);
+      const auto rows = sload->cpu_rows.narrow(0, b, len);
+      for (const auto k : c10::irange(pairs.size())) {
+        auto out = up->rows(pairs, k, b, len, tables[k]);
+        gather_rows_cpu(tables[k], rows, out);
+      }
+      up->copy_chunk(pairs, b, len, cudaMemcpyHostToDevice, dma);
+    }
+    zc_wb_done.block(dma);
+    move_blocks(pairs, *up, /*to_batch=*/true, cpu_pos(*sload), l.n_cpu, v, dma);
+  }
+  sample.dma_end->record(dma);
+  sample.dma_end->block(cur);  // later work on cur follows the copies
+}
+
+}  // namespace
+
+void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pair>& pairs,
+                     const std::optional<at::Tensor>& writeback_index,
+                     const std::optional<at::Tensor>& load_index, bool accumulate,
+                     route::Path path, const c10::Device& device) {
+  c10::cuda::CUDAGuard guard(device);
+  const auto cur = at::cuda::getCurrentCUDAStream(device.index());
+  const auto as_long = [](const std::optional<at::Tensor>& i) {
+    return i ? std::optional(i->to(at::kLong).contiguous()) : std::nullopt;
+  };
+  const auto wb = as_long(writeback_index);
+  const auto load = as_long(load_index);
+  const int64_t n_wb = wb ? wb->numel() : 0;
+  const int64_t n_load = load ? load->numel() : 0;
+  int64_t total_rb = 0, span = 0;
+  for (const auto& t : tables) {
+    total_rb += row_bytes(t);
+    span = std::max<int64_t>(span, t.nbytes());
+  }
+  if (n_wb + n_load == 0 || tables.empty() || total_rb == 0) return;
+
+  DeviceState& state = state_of(device.index());
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
+  auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+  start->record(cur);
+  start->synchronize();  // the host touches tables and batch only after the work queued before
+  const auto t0 = Clock::now();
+  // The zero-copy share: none where no kernel can address the tables, else fixed by the test
+  // hook or tuned (after the wait above, so the previous call's timing events on this stream
+  // have completed).
+  const double fixed = fixed_share();
+  const auto key = tune_key(device.index(), wb.has_value(), load.has_value(), n_wb + n_load,
+                            total_rb, span);
+  const double share = path == route::Path::kHostStaged ? 0.0
+                       : fixed >= 0                     ? fixed
+                                                        : tuned_share(key);
+  Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
+                std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
+                n_wb + n_load};
+  if (wb) {
+    split_by_row(pairs, tables, *wb, load, accumulate, device, cur, state, sample, t0);
+  } else {
+    load_by_position(pairs, tables, *load, device, cur, state, sample);
+  }
+  sample.host_ms = ms_since(t0);
+  state.last_done.emplace();
+  state.last_done->record(cur);  // after cur waited for dma: the end of all of this call's work
+  if (fixed < 0 && share > 0 && share < 1) record_sample(key, std::move(sample));
+}
+
+}  // namespace speedtorch_ops::cuda_impl

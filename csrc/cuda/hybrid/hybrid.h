@@ -1,0 +1,27 @@
+// Host tables with batch rows on a GPU, indices read on the host: the hybrid path. Part of the
+// rows move by the zero-copy kernels, the rest by CPU threads through pinned staging and DMA
+// copies, at the same time (route::Path::kHybrid); tables no kernel can address move entirely
+// through the CPU side (route::Path::kHostStaged).
+#pragma once
+
+#include "../route.h"
+#include "../transfer.h"
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace speedtorch_ops::cuda_impl {
+
+// @brief For every pair (tables[k] on the host, its batch rows on `device`; pairs[k] their
+// addresses, the table's nullptr where no kernel can address it): write the batch back to
+// rows writeback_index (+= with accumulate, one pair only), then load rows load_index into it.
+// Indices are CPU tensors whose values the caller checked; no CUDA graph is being captured.
+// Returns when the host's part is done; the GPU's part is ordered on the current stream.
+void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pair>& pairs,
+                     const std::optional<at::Tensor>& writeback_index,
+                     const std::optional<at::Tensor>& load_index, bool accumulate,
+                     route::Path path, const c10::Device& device);
+
+}  // namespace speedtorch_ops::cuda_impl

@@ -1,0 +1,95 @@
+#include "tuner.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <optional>
+
+namespace speedtorch_ops::cuda_impl {
+namespace {
+
+std::atomic<double> g_fixed_share{-1.0};
+
+int log2_bucket(int64_t v) {
+  int b = 0;
+  while (v > 1) {
+    v >>= 1;
+    ++b;
+  }
+  return b;
+}
+
+struct Entry {
+  double share = 0.5;
+  std::optional<Sample> pending;
+};
+
+// The share at which both sides of the sampled call would have ended together, from the rows
+// per ms each side achieved; the next share moves halfway there (damped: timings are noisy).
+double balanced(const Sample& s, double current) {
+  const double zc_ms = s.start->elapsed_time(*s.zc_end);
+  const double cpu_ms = std::max<double>(s.host_ms, s.start->elapsed_time(*s.dma_end));
+  if (zc_ms <= 0 || cpu_ms <= 0) return current;
+  const double zc_rate = s.share / zc_ms;
+  const double cpu_rate = (1.0 - s.share) / cpu_ms;
+  const double target = zc_rate / (zc_rate + cpu_rate);
+  const double next = std::clamp(0.5 * s.share + 0.5 * target, 0.02, 0.98);
+  if (std::getenv("SPEEDTORCH_OPS_TRACE_SPLIT") != nullptr) {
+    std::fprintf(stderr, "hybrid split: %lld rows, share %.3f: zero-copy %.3f ms, cpu %.3f ms "
+                 "(host %.3f ms, of which %.3f ms to queue the GPU work) -> %.3f\n",
+                 static_cast<long long>(s.rows), s.share, zc_ms, cpu_ms, s.host_ms, s.queued_ms,
+                 next);
+  }
+  return next;
+}
+
+std::mutex& tuner_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::map<TuneKey, Entry>& entries() {
+  // Never destroyed: its events must not be freed after torch's CUDA state (see staging.cpp).
+  static auto* e = new std::map<TuneKey, Entry>();
+  return *e;
+}
+
+}  // namespace
+
+TuneKey tune_key(c10::DeviceIndex device, bool writeback, bool load, int64_t rows,
+                 int64_t row_bytes, int64_t span) {
+  return {device, writeback, load, log2_bucket(rows), log2_bucket(row_bytes), log2_bucket(span),
+          at::get_num_threads()};
+}
+
+double tuned_share(const TuneKey& key) {
+  std::lock_guard<std::mutex> lock(tuner_mutex());
+  Entry& e = entries()[key];
+  if (e.pending) {
+    const Sample& s = *e.pending;
+    if (s.start->query() && s.zc_end->query() && s.dma_end->query()) {
+      e.share = balanced(s, e.share);
+      e.pending.reset();
+    }
+  }
+  return e.share;
+}
+
+void record_sample(const TuneKey& key, Sample sample) {
+  std::lock_guard<std::mutex> lock(tuner_mutex());
+  entries()[key].pending = std::move(sample);
+}
+
+double fixed_share() { return g_fixed_share.load(); }
+
+double set_hybrid_share(double share) {
+  TORCH_CHECK(share <= 1.0, "share must be in [0, 1], or negative for automatic; got ", share);
+  return g_fixed_share.exchange(share);
+}
+
+}  // namespace speedtorch_ops::cuda_impl

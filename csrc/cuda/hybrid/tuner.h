@@ -1,0 +1,46 @@
+// The hybrid path's split, tuned per shape of call: each call's two sides are timed (events on
+// the GPU, a clock on the host) and the next call of the same shape moves the zero-copy share
+// toward the point where both sides end together. A test hook can fix the share instead.
+#pragma once
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <tuple>
+
+namespace speedtorch_ops::cuda_impl {
+
+// A shape of call: device, directions, and log2 buckets of rows, row bytes, table span and
+// the CPU threads.
+using TuneKey = std::tuple<int, bool, bool, int, int, int, int>;
+
+// @brief The key of a call on `device` moving `rows` rows of `row_bytes` (all tables) from
+// tables spanning up to `span` bytes.
+TuneKey tune_key(c10::DeviceIndex device, bool writeback, bool load, int64_t rows,
+                 int64_t row_bytes, int64_t span);
+
+// One call's timing: events around both sides on the GPU, and the host's time.
+struct Sample {
+  std::shared_ptr<at::cuda::CUDAEvent> start, zc_end, dma_end;
+  double share = 0;
+  double host_ms = 0;
+  double queued_ms = 0;  // host time until the GPU work of both sides was queued
+  int64_t rows = 0;
+};
+
+// @brief The zero-copy share for the next call of shape `key` (0.5 the first time), after
+// folding in the last sample recorded for it if its events have completed.
+double tuned_share(const TuneKey& key);
+
+// @brief Records a call's timing for the next call of the same shape.
+void record_sample(const TuneKey& key, Sample sample);
+
+// @brief The test hook's fixed share in [0, 1], or negative for the automatic split.
+double fixed_share();
+
+// @brief Sets the test hook (share <= 1; negative: automatic); returns the previous setting.
+double set_hybrid_share(double share);
+
+}  // namespace speedtorch_ops::cuda_impl

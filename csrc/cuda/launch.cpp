@@ -1,0 +1,29 @@
+#include "launch.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+
+namespace speedtorch_ops::cuda_impl {
+namespace {
+
+// Process-wide, like the GPU it shares: a knob set once (e.g. by a training loop) for every
+// thread that launches transfers.
+std::atomic<int64_t> g_sm_limit{0};
+
+}  // namespace
+
+cuda::Grid transfer_grid(const c10::Device& device) {
+  const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
+  const int64_t limit = g_sm_limit.load();
+  if (limit > 0 && limit < sms) return {static_cast<int>(limit), true};
+  return {sms, false};
+}
+
+int64_t set_transfer_sm_limit(int64_t sms) {
+  TORCH_CHECK(sms >= 0, "sms must be >= 0 (0 removes the cap), got ", sms);
+  return g_sm_limit.exchange(sms);
+}
+
+}  // namespace speedtorch_ops::cuda_impl

@@ -1,0 +1,62 @@
+// Which path a transfer takes: the one routing decision of the CUDA entry points, made over a
+// plain description of the call. Torch- and CUDA-free, so the C++ tests check every combination.
+//
+// The caller passes the index on the rows' device (the GPU when rows go to a GPU); a CPU index
+// with host tables and rows on a GPU is the caller's explicit choice of the hybrid path.
+#pragma once
+
+#include <cstdint>
+
+namespace speedtorch_ops::route {
+
+// Where a table's rows live, as the kernels see them.
+enum class Memory {
+  kDevice,        // device memory
+  kMappedHost,    // pinned host memory mapped into the GPU's address space (read in place)
+  kPageableHost,  // host memory no kernel can address (e.g. a memory-mapped file)
+};
+
+// What a call moves and where everything lives.
+struct Call {
+  bool device_tables = false;    // some table is in device memory
+  bool mapped_tables = false;    // some table is mapped host memory
+  bool pageable_tables = false;  // some table is pageable host memory
+  bool index_on_device = false;  // the indices are on the GPU (else on the host)
+  bool rows_on_device = false;   // the batch rows (out, src, batch, parts) are on the GPU
+  bool capturing = false;        // the current stream is capturing a CUDA graph
+  bool presorted = false;        // the caller sorted the rows (_sorted_transfer)
+  int64_t load_rows = 0;         // rows read from the tables into the batch
+  int64_t moved_bytes = 0;       // bytes moved in both directions, all tables together
+  double hybrid_share = -1.0;    // the hybrid test hook's fixed zero-copy share; < 0: automatic
+
+  // Records one of the call's tables.
+  void add(Memory memory) {
+    device_tables |= memory == Memory::kDevice;
+    mapped_tables |= memory == Memory::kMappedHost;
+    pageable_tables |= memory == Memory::kPageableHost;
+  }
+};
+
+enum class Path {
+  kCpu,             // CPU kernels: tables, index and rows on the host
+  kDevice,          // device kernels over tables in device memory
+  kZeroCopy,        // kernels read and write mapped host rows in place, in the caller's order
+  kZeroCopySorted,  // the same, but loads read rows in address order, each distinct row once
+  kHybrid,          // CPU threads + DMA beside the zero-copy kernels, the split tuned per shape
+  kHostStaged,      // the hybrid path's CPU side alone: CPU threads + DMA move every row
+  // No path serves the call; the entry point raises, naming the argument and the fix.
+  kRefusedRowsOnHost,   // a device table or index, but the rows on the host
+  kRefusedMixedTables,  // pageable host tables beside device tables
+  kRefusedCapture,      // host work (a host index, a pageable table) while capturing a graph
+};
+
+// @brief The path of `call`.
+Path route(const Call& call);
+
+// @brief Whether `path` reads the indices on the host (the caller moves them there first).
+bool reads_index_on_host(Path path);
+
+// @brief Whether `path` is one of the refusals.
+bool refused(Path path);
+
+}  // namespace speedtorch_ops::route

@@ -1,0 +1,42 @@
+// Device-side index validation: every CUDA index of a call is checked on the device before any
+// transfer kernel runs, and the transfer kernels write nothing when one was bad (they read the
+// status first). Whether the call then waits to raise is the bounds_check mode's choice.
+#pragma once
+
+#include "kernels.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+
+#include <array>
+
+namespace speedtorch_ops::cuda_impl {
+
+class Validation {
+ public:
+  // wait: raise_if_bad() waits for the stream and raises (bounds_check='raise', not capturing).
+  // Calls whose indices were checked on the host add nothing; their kernels read a zero status.
+  Validation(const c10::Device& device, bool wait);
+
+  // @brief The index as contiguous int64 on the device, queued for validation against `rows`.
+  at::Tensor add(const at::Tensor& index, int64_t rows, const char* name);
+
+  const int64_t* status() const { return status_.const_data_ptr<int64_t>(); }
+  at::cuda::CUDAStream stream() const { return stream_; }
+  cuda::Grid grid() const { return grid_; }
+
+  // @brief Raises for a bad index, naming it. Waits for this stream only, and only when the
+  // call waits and added an index.
+  void raise_if_bad() const;
+
+ private:
+  at::cuda::CUDAStream stream_;
+  cuda::Grid grid_;
+  at::Tensor status_;
+  bool wait_;
+  std::array<const char*, 2> names_{};
+  std::array<int64_t, 2> rows_{};
+  int count_ = 0;
+};
+
+}  // namespace speedtorch_ops::cuda_impl

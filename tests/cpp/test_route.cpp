@@ -1,0 +1,114 @@
+// The routing decision of the CUDA entry points (csrc/cuda/route.h), over every kind of call:
+// it is torch- and CUDA-free, so these tests run on machines without a GPU.
+#include <catch2/catch.hpp>
+
+#include "cuda/route.h"
+
+namespace {
+
+using speedtorch_ops::route::Call;
+using speedtorch_ops::route::Memory;
+using speedtorch_ops::route::Path;
+using speedtorch_ops::route::route;
+
+// A call with rows on the GPU, tables in `memory`, and `load_rows` rows loaded (4 KiB rows).
+Call call(Memory memory, bool index_on_device, int64_t load_rows = 100) {
+  Call c;
+  c.add(memory);
+  c.index_on_device = index_on_device;
+  c.rows_on_device = true;
+  c.load_rows = load_rows;
+  c.moved_bytes = load_rows * 4096;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("route: everything on the host takes the CPU kernels") {
+  Call c;
+  c.add(Memory::kPageableHost);
+  REQUIRE(route(c) == Path::kCpu);
+  c.add(Memory::kMappedHost);
+  REQUIRE(route(c) == Path::kCpu);
+  REQUIRE(speedtorch_ops::route::reads_index_on_host(Path::kCpu));
+}
+
+TEST_CASE("route: a CUDA index reads device tables on the device, pinned tables in place") {
+  REQUIRE(route(call(Memory::kDevice, true)) == Path::kDevice);
+  REQUIRE(route(call(Memory::kDevice, true, 1 << 20)) == Path::kDevice);  // never sorted
+  REQUIRE(route(call(Memory::kMappedHost, true)) == Path::kZeroCopy);
+  REQUIRE(route(call(Memory::kMappedHost, true, 1 << 20)) == Path::kZeroCopySorted);
+  auto presorted = call(Memory::kMappedHost, true, 10);
+  presorted.presorted = true;
+  REQUIRE(route(presorted) == Path::kZeroCopySorted);
+  auto mixed = call(Memory::kDevice, true, 1 << 20);
+  mixed.add(Memory::kMappedHost);  // one pinned store beside CUDA stores: zero-copy for all
+  REQUIRE(route(mixed) == Path::kZeroCopySorted);
+}
+
+TEST_CASE("route: the sorted read starts at 32768 loaded rows") {
+  REQUIRE(route(call(Memory::kMappedHost, true, 32767)) == Path::kZeroCopy);
+  REQUIRE(route(call(Memory::kMappedHost, true, 32768)) == Path::kZeroCopySorted);
+}
+
+TEST_CASE("route: a pageable table moves through the CPU side, whatever the index's device") {
+  for (bool on_device : {true, false}) {
+    const auto path = route(call(Memory::kPageableHost, on_device));
+    REQUIRE(path == Path::kHostStaged);
+    REQUIRE(speedtorch_ops::route::reads_index_on_host(path));
+  }
+  auto beside_pinned = call(Memory::kMappedHost, true);
+  beside_pinned.add(Memory::kPageableHost);
+  REQUIRE(route(beside_pinned) == Path::kHostStaged);
+}
+
+TEST_CASE("route: a CPU index with host tables is the hybrid path, when it pays") {
+  auto small = call(Memory::kMappedHost, false, 10);  // 40 KiB: zero-copy alone, index uploaded
+  REQUIRE(route(small) == Path::kZeroCopy);
+  REQUIRE_FALSE(speedtorch_ops::route::reads_index_on_host(Path::kZeroCopy));
+  auto large = call(Memory::kMappedHost, false, 1000);  // 4 MB
+  REQUIRE(route(large) == Path::kHybrid);
+  // The test hook's fixed share: below 1 always splits, 1 is zero-copy alone.
+  small.hybrid_share = 0.0;
+  REQUIRE(route(small) == Path::kHybrid);
+  large.hybrid_share = 1.0;
+  REQUIRE(route(large) == Path::kZeroCopy);
+}
+
+TEST_CASE("route: a CPU index with device tables is uploaded, never hybrid") {
+  REQUIRE(route(call(Memory::kDevice, false, 1 << 20)) == Path::kDevice);
+  auto mixed = call(Memory::kDevice, false, 1000);
+  mixed.add(Memory::kMappedHost);
+  REQUIRE(route(mixed) == Path::kZeroCopy);
+}
+
+TEST_CASE("route: impossible combinations are refused") {
+  auto mixed = call(Memory::kDevice, true);
+  mixed.add(Memory::kPageableHost);
+  REQUIRE(route(mixed) == Path::kRefusedMixedTables);
+
+  for (auto memory : {Memory::kDevice, Memory::kMappedHost, Memory::kPageableHost}) {
+    auto host_index = call(memory, false);
+    host_index.capturing = true;
+    REQUIRE(route(host_index) == Path::kRefusedCapture);
+  }
+  auto pageable = call(Memory::kPageableHost, true);
+  pageable.capturing = true;
+  REQUIRE(route(pageable) == Path::kRefusedCapture);
+  for (auto memory : {Memory::kDevice, Memory::kMappedHost}) {  // capturable
+    auto device_index = call(memory, true);
+    device_index.capturing = true;
+    REQUIRE_FALSE(speedtorch_ops::route::refused(route(device_index)));
+  }
+
+  Call rows_on_host;
+  rows_on_host.add(Memory::kDevice);
+  REQUIRE(route(rows_on_host) == Path::kRefusedRowsOnHost);
+  Call index_on_device;
+  index_on_device.add(Memory::kMappedHost);
+  index_on_device.index_on_device = true;
+  REQUIRE(route(index_on_device) == Path::kRefusedRowsOnHost);
+  for (auto path : {Path::kRefusedRowsOnHost, Path::kRefusedMixedTables, Path::kRefusedCapture}) {
+    REQUIRE(speedtorch_ops::route::refused(path));
+  }
+}
