@@ -169,7 +169,8 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
 }
 
 c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
-                                       const at::Tensor& sorted_rows, const at::Tensor& slots) {
+                                       const at::Tensor& sorted_rows, const at::Tensor& slots,
+                                       const std::optional<at::Tensor>& count) {
   TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
   const auto device = parts[0].device();
   check_table(table, "table");
@@ -186,7 +187,7 @@ c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList p
   const auto part_like = table.select(1, 0);  // the shape and dtype of one part of a row
   for (const auto k : c10::irange(parts.size())) {
     const auto name = "parts[" + std::to_string(k) + "]";
-    check_rows_like(parts[k], name.c_str(), part_like, sorted_rows.numel(), device);
+    check_rows_like(parts[k], name.c_str(), part_like, parts[0].size(0), device);
     TORCH_CHECK(parts[k].is_contiguous(), name, " must be contiguous (it is read and written in "
                 "place)");
     check_no_overlap(parts[k], name.c_str(), table, "table");
@@ -199,6 +200,12 @@ c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList p
   }
   check_no_overlap(table, "table", sorted_rows, "sorted_rows");
   check_no_overlap(table, "table", slots, "slots");
+  if (count) {
+    TORCH_CHECK(count->scalar_type() == at::kLong && count->numel() == 1, "count must be one "
+                "int64 value, got ", count->scalar_type(), " of shape ", count->sizes());
+    TORCH_CHECK(count->device() == device, "count must be on ", device, " (where parts are), "
+                "got ", count->device());
+  }
   return device;
 }
 

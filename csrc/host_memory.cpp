@@ -171,15 +171,6 @@ void pin_storage_cpu(at::Tensor& self) {
 #endif
 }
 
-// These two schemas live beside their kernels until registration.cpp takes them over.
-TORCH_LIBRARY_FRAGMENT(speedtorch_ops, m) {
-  // Page-lock up to max_pieces more pieces (each at most piece_bytes) of self's storage in place;
-  // returns the bytes pinned so far. A refusal unregisters every piece and raises.
-  m.def("_pin_storage_pieces_(Tensor(a!) self, int piece_bytes, int max_pieces) -> int");
-  // Unregister every piece _pin_storage_pieces_ registered in self's storage.
-  m.def("_unpin_storage_(Tensor(a!) self) -> ()");
-}
-
 TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
   m.impl("_pin_storage_", &pin_storage_cpu);
   m.impl("_pin_storage_pieces_", &pin_storage_pieces_cpu);

@@ -25,10 +25,13 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // stores[k][load_index] into batch[k]. Either index may be None.
   m.def("optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
         "Tensor? load_index, *, str bounds_check='raise') -> ()", pt2);
-  // For the factories (private): a batch's rows moved by ids the caller sorted once, for a table
+  // For the stores (private): a batch's rows moved by ids the caller sorted once, for a table
   // whose rows are split into parts (a weight and its optimizer state side by side: table of
-  // shape (rows, len(parts), ...), parts[k] of shape (n, ...) holding part k of the batch's
-  // rows). sorted_rows ascending, slots[j] the batch row paired with sorted_rows[j]. load:
+  // shape (rows, len(parts), ...), parts[k] of shape (m, ...) holding part k of the batch's
+  // rows). sorted_rows ascending, slots[j] the part row paired with sorted_rows[j]. With count
+  // (one int64 on the parts' device), only the first min(count, n) positions take part: the
+  // rest are neither validated nor moved, so a step can pass fixed-size indices whose length is
+  // known only on the device (the row cache's misses) without the host waiting for it. load:
   // parts[k][slots[j]] = table[sorted_rows[j], k], each distinct table row read once, whole.
   // Otherwise (write-back): table[sorted_rows[j], k] = parts[k][slots[j]] for the last j of each
   // run of equal rows (callers pass slots that agree within a run), each row written once. The
@@ -36,10 +39,16 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // once for its load, its write-back and its duplicate bookkeeping. Index values are validated
   // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
   m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
-        "Tensor slots, bool load, *, str bounds_check='raise') -> ()");
+        "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='raise') -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");
+  // Page-lock up to max_pieces more pieces (each at most piece_bytes) of self's storage in place
+  // (one cudaHostRegister may be refused for a very large table); returns the bytes pinned so
+  // far. A refusal unregisters every piece and raises, leaving nothing half-pinned.
+  m.def("_pin_storage_pieces_(Tensor(a!) self, int piece_bytes, int max_pieces) -> int");
+  // Unregister every piece _pin_storage_pieces_ registered in self's storage.
+  m.def("_unpin_storage_(Tensor(a!) self) -> ()");
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
   // The most SMs the transfer kernels may use (0: no cap, the default), so transfers can run
   // beside training kernels. Process-wide; returns the previous setting.

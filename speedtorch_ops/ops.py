@@ -90,16 +90,19 @@ def optimizer_state_swap(
 
 
 def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor, slots: Tensor,
-                     load: bool, *, bounds_check: str = "raise") -> None:
-    """Private, for the factories: a batch's rows moved by ids the caller sorted once, for a
+                     load: bool, count: Optional[Tensor] = None, *,
+                     bounds_check: str = "raise") -> None:
+    """Private, for the stores: a batch's rows moved by ids the caller sorted once, for a
     ``table`` of shape ``(rows, len(parts), ...)`` (a weight and its optimizer state side by
-    side); ``parts[k]`` of shape ``(n, ...)`` holds part ``k`` of the batch's rows.
-    ``sorted_rows`` ascending, ``slots[j]`` the batch row paired with ``sorted_rows[j]``. With
+    side); ``parts[k]`` of shape ``(m, ...)`` holds part ``k`` of the batch's rows.
+    ``sorted_rows`` ascending, ``slots[j]`` the part row paired with ``sorted_rows[j]``. With
     ``load``: ``parts[k][slots[j]] = table[sorted_rows[j], k]``, each distinct row read once;
     else ``table[sorted_rows[j], k] = parts[k][slots[j]]`` for the last ``j`` of each run of
-    equal rows. A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
+    equal rows. ``count`` (one int64 on the parts' device): only the first ``count`` positions
+    take part, the rest are neither validated nor moved (a length known only on the GPU, with
+    no wait). A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
     ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring)."""
-    _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load,
+    _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load, count,
                                   bounds_check=bounds_check)
 
 
@@ -175,14 +178,15 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
 
 
 @torch.library.register_fake("speedtorch_ops::_sorted_transfer")
-def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, *,
+def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, count=None, *,
                           bounds_check: str = "raise") -> None:
     _check_index_meta(sorted_rows, "sorted_rows")
     _check_index_meta(slots, "slots")
     torch._check(table.dim() >= 2 and table.shape[1] == len(parts),
                  lambda: "table must have shape (rows, len(parts), ...)")
+    torch._check(slots.shape == sorted_rows.shape, lambda: "slots must pair with sorted_rows")
     for part in parts:
-        torch._check(part.shape == (sorted_rows.shape[0], *table.shape[2:]),
+        torch._check(part.shape == (parts[0].shape[0], *table.shape[2:]),
                      lambda: "a part has the wrong shape")
         torch._check(part.dtype == table.dtype, lambda: "parts must have the table's dtype")
 

@@ -8,20 +8,24 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace speedtorch_ops {
 
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
-                         const at::Tensor& slots, bool load, c10::string_view bounds_check) {
+                         const at::Tensor& slots, bool load,
+                         const std::optional<at::Tensor>& count, c10::string_view bounds_check) {
   parse_bounds_check(bounds_check);  // the values are checked on the host in every mode
-  check_sorted_transfer_args(table, parts, sorted_rows, slots);
-  const auto rows = sorted_rows.to(at::kLong).contiguous();
-  const auto pos = slots.to(at::kLong).contiguous();
+  check_sorted_transfer_args(table, parts, sorted_rows, slots, count);
+  // Only the first `count` positions take part (a CPU tensor: reading it costs no wait).
+  const int64_t n = count ? std::clamp<int64_t>(count->item<int64_t>(), 0, sorted_rows.numel())
+                          : sorted_rows.numel();
+  const auto rows = sorted_rows.narrow(0, 0, n).to(at::kLong).contiguous();
+  const auto pos = slots.narrow(0, 0, n).to(at::kLong).contiguous();
   check_index_values(rows, table.size(0), "sorted_rows");
   check_index_values(pos, parts[0].size(0), "slots");
-  const int64_t n = rows.numel();
   const int64_t* r = rows.const_data_ptr<int64_t>();
   const int64_t* s = pos.const_data_ptr<int64_t>();
   for (int64_t j = 1; j < n; ++j) {

@@ -81,8 +81,15 @@ __device__ __forceinline__ int64_t run_end(const int64_t* __restrict__ sorted, i
   return end;
 }
 
+// n, or min(n, *limit) when the length is known only on the device (negative: none).
+__device__ __forceinline__ int64_t limited(int64_t n, const int64_t* __restrict__ limit) {
+  return limit == nullptr ? n : max(int64_t{0}, min(n, *limit));
+}
+
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
-                                int arg, int64_t* __restrict__ status) {
+                                int arg, int64_t* __restrict__ status,
+                                const int64_t* __restrict__ limit) {
+  n = limited(n, limit);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t v = idx[i];
@@ -156,7 +163,8 @@ __global__ void __launch_bounds__(kCappedThreads)
     copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
                      const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
                      bool last_of_run, const int32_t* __restrict__ winner,
-                     const int64_t* __restrict__ status) {
+                     const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
+  n = limited(n, limit);
   for_each_item(t.count, t.row_major, n, team_log2, status,
                 [&](int k, int64_t j, int lane, int team) {
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
@@ -177,7 +185,8 @@ template <typename V>
 __global__ void __launch_bounds__(kCappedThreads)
     gather_sorted_kernel(Tables t, const int64_t* __restrict__ sorted,
                          const int64_t* __restrict__ perm, int64_t n, int team_log2,
-                         const int64_t* __restrict__ status) {
+                         const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
+  n = limited(n, limit);
   for_each_item(t.count, t.row_major, n, team_log2, status,
                 [&](int k, int64_t j, int lane, int team) {
     const int64_t end = run_end(sorted, n, j);
@@ -244,20 +253,22 @@ int blocks_for_elements(int64_t n) {
 }  // namespace
 
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
-                            int64_t* status, cudaStream_t stream) {
-  validate_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, rows, arg, status);
+                            int64_t* status, cudaStream_t stream, const int64_t* limit) {
+  validate_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, rows, arg, status,
+                                                                   limit);
   return cudaGetLastError();
 }
 
 cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
                              int64_t n, bool last_of_run, const int32_t* winner,
-                             const int64_t* status, Grid grid, cudaStream_t stream) {
+                             const int64_t* status, Grid grid, cudaStream_t stream,
+                             const int64_t* limit) {
   return by_vector_width(t, [&](auto vec) {
     using V = decltype(vec);
     const int team_log2 = team_log2_of<V>(t);
     const Shape shape = shape_for(n * t.count, team_log2, grid);
     copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
-        t, dst_idx, src_idx, n, team_log2, last_of_run, winner, status);
+        t, dst_idx, src_idx, n, team_log2, last_of_run, winner, status, limit);
     return cudaGetLastError();
   });
 }
@@ -270,13 +281,13 @@ cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
 
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
                                  int64_t n, const int64_t* status, Grid grid,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const int64_t* limit) {
   return by_vector_width(t, [&](auto vec) {
     using V = decltype(vec);
     const int team_log2 = team_log2_of<V>(t);
     const Shape shape = shape_for(n * t.count, team_log2, grid);
     gather_sorted_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
-        t, sorted, perm, n, team_log2, status);
+        t, sorted, perm, n, team_log2, status, limit);
     return cudaGetLastError();
   });
 }

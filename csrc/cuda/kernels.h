@@ -49,9 +49,12 @@ struct Grid {
   bool capped;
 };
 
+// limit (or nullptr): one int64 on the device; the launchers that take it treat n as
+// min(n, *limit), a length known only on the device (read by the kernels, never by the host).
+
 // Flags any idx[i] outside [0, rows) in status (one bad position is reported).
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
-                            int64_t* status, cudaStream_t stream);
+                            int64_t* status, cudaStream_t stream, const int64_t* limit = nullptr);
 
 // For j in [0, n) and every table: dst row (dst_idx ? dst_idx[j] : j) = src row
 // (src_idx ? src_idx[j] : j). last_of_run: dst_idx is sorted (stably) and j is skipped when
@@ -59,7 +62,8 @@ cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg
 // nullptr): j is skipped unless winner[dst row] == j (see launch_mark_last).
 cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
                              int64_t n, bool last_of_run, const int32_t* winner,
-                             const int64_t* status, Grid grid, cudaStream_t stream);
+                             const int64_t* status, Grid grid, cudaStream_t stream,
+                             const int64_t* limit = nullptr);
 
 // winner[idx[i]] = max(winner[idx[i]], i) for i in [0, n) (winner preset to -1, n < 2^31):
 // the last position of each row, so a scatter can let the last duplicate win without a sort.
@@ -70,7 +74,7 @@ cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
 // rows are read in address order and each distinct row once (a repeated row crosses PCIe once).
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
                                  int64_t n, const int64_t* status, Grid grid,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, const int64_t* limit = nullptr);
 
 // Element types of accumulate.
 enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };

@@ -52,11 +52,13 @@ constexpr int64_t kMarkLastMaxRows = int64_t{64} << 20;
 
 }  // namespace
 
-DeviceIndex DeviceIndex::presorted(const at::Tensor& sorted_rows, const at::Tensor& slots) {
+DeviceIndex DeviceIndex::presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
+                                   const int64_t* limit) {
   DeviceIndex index(sorted_rows, slots);
   index.sorted_ = sorted_rows;
   index.sorted_slots_ = slots;
   index.presorted_ = true;
+  index.limit_ = limit;
   return index;
 }
 
@@ -91,10 +93,11 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
     if (path == route::Path::kZeroCopySorted) {
       C10_CUDA_CHECK(cuda::launch_gather_sorted(t, index.sorted().const_data_ptr<int64_t>(),
                                                 index.sorted_slots().const_data_ptr<int64_t>(), n,
-                                                v.status(), v.grid(), v.stream()));
+                                                v.status(), v.grid(), v.stream(), index.limit()));
     } else {
       C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.slots(), index.rows().const_data_ptr<int64_t>(),
-                                            n, false, nullptr, v.status(), v.grid(), v.stream()));
+                                            n, false, nullptr, v.status(), v.grid(), v.stream(),
+                                            index.limit()));
     }
   });
 }
@@ -105,7 +108,7 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
   const int64_t n = index.size();
   if (n == 0) return;
   if (accumulate) {
-    TORCH_INTERNAL_ASSERT(pairs.size() == 1);
+    TORCH_INTERNAL_ASSERT(pairs.size() == 1 && index.limit() == nullptr);
     const Pair& p = pairs[0];
     C10_CUDA_CHECK(cuda::launch_accumulate_rows(
         p.table, index.sorted().const_data_ptr<int64_t>(), p.batch,
@@ -113,7 +116,8 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
         elem_of(like.scalar_type()), v.status(), v.grid(), v.stream()));
     return;
   }
-  if (path == route::Path::kDevice && index.slots() == nullptr && min_rows <= kMarkLastMaxRows &&
+  if (path == route::Path::kDevice && index.slots() == nullptr && index.limit() == nullptr &&
+      min_rows <= kMarkLastMaxRows &&
       n < std::numeric_limits<int32_t>::max()) {
     const auto& rows = index.rows();
     auto winner = at::empty({min_rows}, rows.options().dtype(at::kInt));
@@ -134,7 +138,7 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
     C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.sorted().const_data_ptr<int64_t>(),
                                           index.sorted_slots().const_data_ptr<int64_t>(), n,
                                           /*last_of_run=*/true, nullptr, v.status(), v.grid(),
-                                          v.stream()));
+                                          v.stream(), index.limit()));
   });
 }
 

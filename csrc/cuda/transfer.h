@@ -30,12 +30,15 @@ class DeviceIndex {
   DeviceIndex(at::Tensor rows, std::optional<at::Tensor> slots)
       : rows_(std::move(rows)), slots_(std::move(slots)) {}
   // @brief Rows the caller sorted (ascending), with the batch position of each: no sort here.
-  static DeviceIndex presorted(const at::Tensor& sorted_rows, const at::Tensor& slots);
+  // limit (or nullptr): a device pointer to how many leading positions take part.
+  static DeviceIndex presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
+                               const int64_t* limit = nullptr);
   // @brief A host index whose values were checked, sent up through pinned memory (the copy is
   // queued on the current stream; the host does not wait for it).
   static DeviceIndex upload(const at::Tensor& host_index, const c10::Device& device);
 
   bool presorted() const { return presorted_; }
+  const int64_t* limit() const { return limit_; }
   int64_t size() const { return rows_.numel(); }
   const at::Tensor& rows() const { return rows_; }
   const int64_t* slots() const { return slots_ ? slots_->const_data_ptr<int64_t>() : nullptr; }
@@ -49,6 +52,7 @@ class DeviceIndex {
   std::optional<at::Tensor> slots_;
   std::optional<at::Tensor> sorted_, sorted_slots_;
   bool presorted_ = false;
+  const int64_t* limit_ = nullptr;
 };
 
 // @brief batch[k][slot j] = table[k][row j] for every pair, one launch per group of kMaxTables

@@ -12,14 +12,16 @@ Validation::Validation(const c10::Device& device, bool wait)
       status_(at::zeros({cuda::kStatusWords}, at::TensorOptions(at::kLong).device(device))),
       wait_(wait) {}
 
-at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* name) {
+at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* name,
+                           const int64_t* limit) {
   TORCH_INTERNAL_ASSERT(count_ < static_cast<int>(names_.size()));
   auto idx = index.to(at::kLong).contiguous();
   names_[count_] = name;
   rows_[count_] = rows;
   if (idx.numel() > 0) {
     C10_CUDA_CHECK(cuda::launch_validate(idx.const_data_ptr<int64_t>(), idx.numel(), rows,
-                                         count_, status_.mutable_data_ptr<int64_t>(), stream_));
+                                         count_, status_.mutable_data_ptr<int64_t>(), stream_,
+                                         limit));
   }
   ++count_;
   return idx;

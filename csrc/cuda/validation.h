@@ -18,8 +18,10 @@ class Validation {
   // Calls whose indices were checked on the host add nothing; their kernels read a zero status.
   Validation(const c10::Device& device, bool wait);
 
-  // @brief The index as contiguous int64 on the device, queued for validation against `rows`.
-  at::Tensor add(const at::Tensor& index, int64_t rows, const char* name);
+  // @brief The index as contiguous int64 on the device, queued for validation against `rows`
+  // (its first *limit entries only, when limit is a device pointer).
+  at::Tensor add(const at::Tensor& index, int64_t rows, const char* name,
+                 const int64_t* limit = nullptr);
 
   const int64_t* status() const { return status_.const_data_ptr<int64_t>(); }
   at::cuda::CUDAStream stream() const { return stream_; }

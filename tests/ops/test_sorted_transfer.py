@@ -79,7 +79,7 @@ def test_bad_input_names_the_argument_and_writes_nothing(store, gen):
                           ((parts, sorted_ids, perm[:9]), "slots has 9 entries"),
                           ((parts[:1], sorted_ids, perm), r"shape \(rows, len\(parts\), ...\)"),
                           (([parts[0][:9], parts[1]], sorted_ids, perm),
-                           r"parts\[0\] must have shape"),
+                           r"parts\[1\] must have shape \[9, 4\]"),
                           (([parts[0], parts[1].double()], sorted_ids, perm),
                            r"parts\[1\] must have the table's dtype"),
                           (([], sorted_ids, perm), "parts must hold at least one tensor"),
@@ -90,6 +90,41 @@ def test_bad_input_names_the_argument_and_writes_nothing(store, gen):
                 ops._sorted_transfer(table, *args, load=load)
             assert torch.equal(table.cpu(), data)
             assert all(torch.equal(p, b) for p, b in zip(parts, before))
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("count", [0, 1, 37, 60, 75])
+def test_count_limits_the_positions_that_take_part(store, count, gen):
+    """With count c, positions j < min(c, n) move and the rest neither move nor are validated
+    (they hold out-of-range rows and slots here); parts may have more rows than the index."""
+    dev = index_device(store)
+    data = random_rows((50, 2, 4), torch.float32, gen)
+    table = place(data, store)
+    n, m = 60, 90  # 60 positions, parts of 90 rows
+    sorted_ids, _ = _sorted(random_index(n, 50, torch.int64, store, gen))
+    slots = torch.randperm(m, generator=gen)[:n].to(dev)
+    used = min(count, n)
+    rows = sorted_ids.clone()
+    rows[used:] = 10**9  # garbage past the count
+    pos = slots.clone()
+    pos[used:] = -5
+    limit = torch.tensor([count], dtype=torch.int64, device=dev)
+    parts = _parts(m, table, dev, gen)
+    before = [p.clone() for p in parts]
+    ops._sorted_transfer(table, parts, rows, pos, True, limit)
+    for k, (part, old) in enumerate(zip(parts, before)):
+        want = old.cpu().clone()
+        want[slots[:used].cpu()] = data[sorted_ids[:used].cpu(), k]
+        assert torch.equal(part.cpu(), want), gen.initial_seed()
+    # Write-back of the same positions: the last slot of each run of equal rows wins.
+    new = _parts(m, table, dev, gen)
+    ops._sorted_transfer(table, new, rows, pos, False, limit)
+    ref = data.clone()
+    for j in range(used):
+        ref[int(sorted_ids[j]), :] = torch.stack([p[int(slots[j])].cpu() for p in new])
+    assert torch.equal(table.cpu(), ref), gen.initial_seed()
+    with pytest.raises(RuntimeError, match="count must be one int64"):
+        ops._sorted_transfer(table, parts, rows, pos, True, limit.int())
 
 
 def test_unsorted_rows_refused_on_the_cpu(gen):

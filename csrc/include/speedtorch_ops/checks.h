@@ -84,7 +84,8 @@ void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
                               const std::optional<at::Tensor>& load_index,
                               c10::string_view bounds_check);
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
-                         const at::Tensor& slots, bool load, c10::string_view bounds_check);
+                         const at::Tensor& slots, bool load,
+                         const std::optional<at::Tensor>& count, c10::string_view bounds_check);
 
 // Checks shared by both devices' optimizer_state_swap: pairs, shapes, dtypes, aliasing.
 void check_swap_args(at::TensorList stores, at::TensorList batch,
@@ -93,9 +94,11 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
                      const c10::Device& batch_device);
 
 // Checks shared by both devices' _sorted_transfer: table (rows, len(parts), ...), parts (at
-// least one, each (n, ...) like a part of the table's rows, contiguous, all on one device), the
-// two indices (n each, on the parts' device), no aliasing. Returns the parts' device.
+// least one, each (m, ...) like a part of the table's rows, contiguous, all on one device), the
+// two indices (n each, on the parts' device), count (one int64 there, optional), no aliasing.
+// Returns the parts' device.
 c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
-                                       const at::Tensor& sorted_rows, const at::Tensor& slots);
+                                       const at::Tensor& sorted_rows, const at::Tensor& slots,
+                                       const std::optional<at::Tensor>& count);
 
 }  // namespace speedtorch_ops
