@@ -178,8 +178,11 @@ def test_empty_pinned_passes_progress(monkeypatch):
 # GPU: the CUDA runtime torch loaded, through ctypes, to see which pages are registered without
 # leaving an error behind (a failed runtime call would surface in torch's next launch check).
 class _PointerAttributes(ctypes.Structure):
+    # CUDA 13's layout (driver_types.h): 8 reserved longs follow the pointers; a struct without
+    # them is overrun by the runtime.
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_long * 8)]
 
 
 def _runtime():
