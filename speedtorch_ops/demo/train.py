@@ -135,15 +135,19 @@ class SwitcherTraining:
 
 class ModuleTraining:
     """The tables and their optimizer state in host memory behind ``speedtorch_ops.HostEmbedding``
-    modules (pinned on a GPU), each with a GPU row cache of half of ``--cache-mb``: a step moves
-    only the rows the cache misses (and the rows they evict)."""
+    modules (pinned on a GPU), with GPU row caches sharing ``--cache-mb`` in proportion to the
+    ids each table sees per step: a step moves only the rows the caches miss (and the rows they
+    evict)."""
 
     def __init__(self, a, device):
         cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, a.fused or None)
-        cache = int(a.cache_mb * 2**20) // 2 if device.type == "cuda" else 0
+        cache = int(a.cache_mb * 2**20) if device.type == "cuda" else 0
+        # The budget split by ids per step: v sees a context and the negatives per centre word.
+        v_share = (1 + a.negatives) / (2 + a.negatives)
         bound = 0.5 / a.dim
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
-                                           device=device, cache_bytes=cache) for _ in range(2))
+                                           device=device, cache_bytes=int(cache * share))
+                          for share in (1 - v_share, v_share))
         self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
         self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
         self.prefetching = False
