@@ -85,6 +85,17 @@ class _HostRowsModule(nn.Module):
         self._staged = None
         self.steps = 0  # step() calls so far
 
+    def set_cache_bytes(self, cache_bytes: int) -> None:
+        """Change the GPU row cache's budget (0: no cache). The cached rows are written back
+        first (this waits for the GPU); the new cache starts empty, its frequencies from zero."""
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if self._staged is not None:
+            raise RuntimeError("set_cache_bytes between steps only (a forward is staged)")
+        store = self._make_store(cache_bytes)  # raises before anything changes
+        self.store.flush()
+        self.store = store
+
     def _make_store(self, cache_bytes: int):
         if cache_bytes == 0 or self.device.type != "cuda":
             return HostRows(self.host, self.device)
