@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -119,8 +120,13 @@ class _HostRowsModule(nn.Module):
                                "call step() first")
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
-        flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors]) \
-            if len(tensors) > 1 else tensors[0].reshape(-1)
+        if len(tensors) == 1:
+            flat = tensors[0].reshape(-1)
+        elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
+            # NumPy joins host ids without waking torch's CPU thread pool (~0.3 ms per call).
+            flat = torch.from_numpy(np.concatenate([t.reshape(-1).numpy() for t in tensors]))
+        else:
+            flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
         plan = Plan(flat, self.device)
         buf, distinct = self.store.stage(plan)
         training = torch.is_grad_enabled() and self.training

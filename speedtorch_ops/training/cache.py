@@ -180,10 +180,14 @@ class CachedRows(HostRows):
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evict.sum().view(1),
                    load=False)
         # Admitted misses into their slots; the map follows.
+        # Scalars go in through index_fill_: a Python scalar assigned by indexing is copied up
+        # from pageable memory, which makes the host wait for the GPU.
         dump_row, dump_slot = self.slot_of.numel() - 1, scratch
-        self.slot_of[torch.where(evict, old, dump_row)] = -1
-        self.slot_of[torch.where(admit, miss_ids, dump_row)] = victims.to(torch.int32)
-        self.id_of[torch.where(admit, victims, dump_slot)] = torch.where(admit, miss_ids, -1)
+        self.slot_of.index_fill_(0, torch.where(evict, old, dump_row), -1)
+        self.slot_of.index_copy_(0, torch.where(admit, miss_ids, dump_row),
+                                 victims.to(torch.int32))
+        self.id_of.index_copy_(0, torch.where(admit, victims, dump_slot),
+                               torch.where(admit, miss_ids, -1))
         self.cache.index_copy_(1, torch.where(admit, victims, scratch), buf[:, order[:k]])
         # Misses not admitted go straight back to the host.
         rest = (d.positions < misses)
