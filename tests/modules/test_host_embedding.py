@@ -194,9 +194,11 @@ def test_state_dict_round_trip_resumes_exactly(device, gen, tmp_path):
     resumed = so.HostEmbedding(ROWS, DIM, dtype=torch.float64, **kwargs)
     resumed.load_state_dict(torch.load(tmp_path / "emb.pt"))
     train(resumed, batches[3:], targets[3:], device)
-    assert torch.equal(resumed.weight, whole.weight)
+    # Bit for bit on the CPU; the GPU adds repeated ids' gradients with atomics, in no fixed order.
+    tol = 0 if device == "cpu" else 1e-12
+    assert torch.allclose(resumed.weight, whole.weight, rtol=tol, atol=tol)
     for key, value in whole.state_dict().items():
-        assert torch.equal(resumed.state_dict()[key], value), key
+        assert torch.allclose(resumed.state_dict()[key], value, rtol=tol, atol=tol), key
     bad = {k: v for k, v in first.state_dict().items()}
     bad["weight"] = torch.zeros(ROWS + 1, DIM, dtype=torch.float64)
     before = resumed.weight.clone()
