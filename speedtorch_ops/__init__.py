@@ -3,7 +3,10 @@
 Layers, data flowing down: the SpeedTorch-compatible classes (``compat``) -> row stores and a
 step's plan (``training``) -> typed wrappers, fakes and autograd (``ops``) ->
 ``torch.ops.speedtorch_ops`` (the C++/CUDA kernels). ``memory`` holds the pinned-memory helpers,
-``demo`` the main job (``python -m speedtorch_ops.demo``).
+``io`` streamed and atomic saves and loads of tables, ``modules`` HostEmbedding and
+HostEmbeddingBag, ``distributed`` (imported on its own: ``import speedtorch_ops.distributed``)
+the modules split by rows across a torch.distributed group, ``demo`` the main job
+(``python -m speedtorch_ops.demo``).
 """
 
 import torch
