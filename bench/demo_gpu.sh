@@ -13,10 +13,11 @@ python3 -m speedtorch_ops.demo --device cuda 2>&1 | grep -v "step/s]$" | tee "$O
 python3 -m speedtorch_ops.demo --device cuda --vocab 4000000 --dim 128 --batch 8192 \
   --steps 300 --tokens 4000000 --gpu-budget-mb 1536 --baseline --reuse-batches 2>&1 |
   grep -v "step/s]$" | tee -a "$OUT/demo_gpu.log"
-# The same training with SpeedTorch 0.1.6's calls only, and with prefetch (the default above is
-# colocated rows: speedtorch_ops.colocate).
-for mode in plain prefetch; do
+# The same training through the SpeedTorch-compatible factories (the default above is the
+# HostEmbedding modules with a GPU row cache): colocated rows, 0.1.6's calls only, prefetch.
+for mode in colocated plain prefetch; do
   python3 -m speedtorch_ops.demo --device cuda --vocab 4000000 --dim 128 --batch 8192 \
-    --steps 300 --tokens 4000000 --gpu-budget-mb 1536 --reuse-batches --switching $mode 2>&1 |
+    --steps 300 --tokens 4000000 --gpu-budget-mb 1536 --reuse-batches --engine factories \
+    --switching $mode 2>&1 |
     grep -v "step/s]$" | sed "s/^/[$mode] /" | tee -a "$OUT/demo_gpu.log"
 done
