@@ -134,6 +134,22 @@ def test_data_gadget_rows_slices_and_insert(tmp_path):
     assert np.allclose(gadget.getNumpyVersion()[7:9], new.cpu().double().numpy())
 
 
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_data_gadget_takes_an_in_memory_array(kind):
+    """User scripts of 0.1.6's time pass an array instead of a file name: same slicing, and the
+    gadget holds its own copy (writes do not reach the caller's array)."""
+    data = np.random.default_rng().standard_normal((30, 4)).astype(np.float32)
+    given = data.copy() if kind == "numpy" else torch.from_numpy(data.copy())
+    gadget = so.DataGadget(given, CPUPinn=True)
+    gadget.gadgetInit()
+    idx = np.array([5, 29, 5])
+    assert np.array_equal(gadget.getData(idx).cpu().numpy(), data[idx])
+    assert np.array_equal(gadget.getData(slice(2, 4)).cpu().numpy(), data[2:4])
+    gadget.insertData(torch.zeros(1, 4), np.array([5]))
+    assert not gadget.getNumpyVersion()[5].any()
+    assert np.array_equal(np.asarray(given)[5], data[5])  # the caller's array is untouched
+
+
 def test_com_classes_allocate(tmp_path):
     com = so.COM(12, CPUPinn=True)
     com.comInit()
