@@ -233,6 +233,7 @@ class _HostRowsModule(nn.Module):
         if self._staged is not None:
             self.store.discard()
             self._staged = None
+        self.store.flush()  # a partial load keeps the cached rows' latest values
         self.store.reset()
         for name, table in tables.items():
             if prefix + name in state_dict:
