@@ -119,7 +119,9 @@ def run_rank(a, rank, world, local_rank):
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the cores
+    # Ranks share the cores (torchrun sets OMP_NUM_THREADS=1 for the same reason); spawned ranks
+    # that each use every core oversubscribe the host work of the routing.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     data = batches(a, rank)
     torch.manual_seed(rank)  # each rank initialises its own shard
     u, v = tables(a, device, sharded=True)
