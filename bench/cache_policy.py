@@ -1,0 +1,69 @@
+"""The row cache's policy on its own, on the CPU: the hit rate of CachedRows (LFU with aging,
+admission against the coldest unused slot) on the demo's v table (contexts and word2vec
+negatives of the Zipf corpus), against two fixed caches of the same size: the rows used most
+in these very batches (an oracle that knows the future) and the rows most frequent in the
+corpus (what a frequency-sorted warm start would hold). Only ids move (rows of one float), so
+the full 4 M-row vocabulary fits on a laptop; the policy is the same tensor code as on a GPU.
+
+    python3 bench/cache_policy.py --slots 681338 --steps 190 600 --batches 120
+"""
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from speedtorch_ops.demo.corpus import ZipfCorpus
+from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops.training.plan import Plan
+
+
+def v_ids(batch) -> np.ndarray:
+    return np.concatenate([batch[1].ravel(), batch[2].ravel()])
+
+
+def fixed_hit_rate(per_step, keep: np.ndarray) -> float:
+    return sum(int(keep[u].sum()) for u in per_step) / sum(len(u) for u in per_step)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocab", type=int, default=4_000_000)
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--slots", type=int, default=681_338, help="the v table's share of 1200 MiB")
+    p.add_argument("--batches", type=int, default=120, help="distinct batches, cycled")
+    p.add_argument("--steps", type=int, nargs="+", default=[190, 600])
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--aging", type=int, default=256)
+    a = p.parse_args()
+    corpus = ZipfCorpus(a.vocab, 20, a.tokens)
+    batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
+    per_step = [np.unique(v_ids(b)) for b in batches]
+    used = np.bincount(np.concatenate(per_step), minlength=a.vocab)
+    oracle = np.zeros(a.vocab, dtype=bool)
+    oracle[np.argsort(-used, kind="stable")[: a.slots]] = True
+    by_count = np.zeros(a.vocab, dtype=bool)
+    by_count[np.argsort(-corpus.counts, kind="stable")[: a.slots]] = True
+    print(f"v table, {a.vocab:,} rows, {a.slots:,} slots, {a.batches} batches cycled: oracle "
+          f"{fixed_hit_rate(per_step, oracle):.3f}, corpus-frequency cache "
+          f"{fixed_hit_rate(per_step, by_count):.3f}")
+    for steps in a.steps:
+        store = CachedRows(torch.zeros(a.vocab, 1, 1), torch.device("cpu"), a.slots,
+                           aging_steps=a.aging)
+        start = time.perf_counter()
+        for i in range(steps):
+            store.stage(Plan(v_ids(batches[i % len(batches)]), "cpu"))
+            store.commit()
+            if i == a.warmup - 1:
+                before = store.stats.clone()
+        d = (store.stats - before).tolist()
+        print(f"LFU, steps {a.warmup}-{steps}: hit rate {d[1] / d[0]:.3f}, evictions "
+              f"{d[3] / (steps - a.warmup):,.0f} and direct write-backs "
+              f"{d[4] / (steps - a.warmup):,.0f} per step ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
