@@ -285,7 +285,8 @@ class _OptimizerSwitcher(_Switcher):
         self.datatype = dtype
         self._dtype = resolve_dtype(dtype)
         self._placement = placement
-        path = variable_name[:-len(".weight")] if variable_name.endswith(".weight") else variable_name
+        path = (variable_name[:-len(".weight")] if variable_name.endswith(".weight")
+                else variable_name)
         self._param = model.get_submodule(path).weight
         group, self.optimizerKey = optim_state.find_group(given_optimizer, self._param)
         self._fills, scalars = optim_state.state_layout(given_optimizer, group)

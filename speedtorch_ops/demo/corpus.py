@@ -54,7 +54,8 @@ class Corpus(_Sampling):
         self.cluster = rng.permutation(vocab) // cluster_size  # word -> its cluster
         members = np.argsort(self.cluster, kind="stable").reshape(-1, cluster_size)
         topics = rng.integers(0, members.shape[0], tokens // SENTENCE)
-        in_cluster = members[topics[:, None], rng.integers(0, cluster_size, (len(topics), SENTENCE))]
+        picks = rng.integers(0, cluster_size, (len(topics), SENTENCE))
+        in_cluster = members[topics[:, None], picks]
         noise = np.minimum(rng.zipf(1.3, (len(topics), SENTENCE)) - 1, vocab - 1)
         self.text = np.where(rng.random((len(topics), SENTENCE)) < 0.8, in_cluster, noise)
         self._finish(rng)

@@ -171,7 +171,8 @@ class CachedRows(HostRows):
         victims = torch.topk(prio, k, largest=False, sorted=True).indices  # coldest first
         j = d.positions[:k]
         miss_ids = d.ids[order[:k]]
-        admit = (j < misses) & (self.freq[miss_ids] >= prio[victims]) & torch.isfinite(prio[victims])
+        cold = prio[victims]
+        admit = (j < misses) & (self.freq[miss_ids] >= cold) & torch.isfinite(cold)
         old = self.id_of[victims]
         evict = admit & (old >= 0)
         # Evicted rows to the host first (their slots are overwritten next), in address order.

@@ -29,8 +29,8 @@ def resolve_dtype(dtype: DTypeLike) -> torch.dtype:
 
 def cuda_or_raise(what: str) -> torch.device:
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{what} keeps its table in GPU memory, but no CUDA device is available; "
-                           "use a pinned/CPU store instead (e.g. CPUPinn=True)")
+        raise RuntimeError(f"{what} keeps its table in GPU memory, but no CUDA device is "
+                           "available; use a pinned/CPU store instead (e.g. CPUPinn=True)")
     return torch.device("cuda", torch.cuda.current_device())
 
 

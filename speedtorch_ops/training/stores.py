@@ -4,7 +4,7 @@ A store holds one or more *parts* of the same rows (a weight table and/or its op
 tables) and moves a batch's rows between them and the device, only through the ops:
 
     plan = store.plan_for(ids)          # the store's plan of these ids (reused within a step)
-    rows = store.load(plan)             # one batch-sized tensor per part: rows[k][i] = part k of row ids[i]
+    rows = store.load(plan)             # a batch-sized tensor per part: rows[k][i] = part k of ids[i]
     ...                                 # train on rows (the optimizer updates them in place)
     store.write_back(plan, rows)        # each distinct row written once, from its owner slot
 
@@ -140,8 +140,8 @@ class SeparateTables(RowStore):
         else:
             rows = [r.detach() for r in rows]
         if self._one_swap():
-            ops.optimizer_state_swap(self._tables,
-                                     [r.to(self.device, t.dtype) for r, t in zip(rows, self._tables)],
+            moved = [r.to(self.device, t.dtype) for r, t in zip(rows, self._tables)]
+            ops.optimizer_state_swap(self._tables, moved,
                                      plan.on(_index_device(self._tables[0], self.device)), None,
                                      bounds_check=_NO_WAIT)
             return
