@@ -318,3 +318,31 @@ def test_empty_batches_between_steps(device, gen):
     assert torch.allclose(emb.weight.cpu(), init * torch.tensor(
         [0.6 if i == 1 else 0.8 if i in (2, 3) else 1.0 for i in range(ROWS)],
         dtype=torch.float64).unsqueeze(1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_trains_like_eager(device, gen):
+    """A model calling the module under torch.compile (the staging and step stay eager: graph
+    breaks around them) gives the eager results."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    batches = id_batches(4, gen)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        emb = so.HostEmbedding.from_pretrained(init, optimizer=torch.optim.Adam,
+                                               optimizer_kwargs={"lr": 0.1}, device=device)
+        head = nn.Linear(DIM, 1, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            head.weight.fill_(0.5)
+            head.bias.zero_()
+
+        def model(ids):
+            return head(torch.tanh(emb(ids))).pow(2).sum()
+
+        step = torch.compile(model) if compiled else model
+        for ids in batches:
+            step(ids.to(device)).backward()
+            emb.step()
+            head.zero_grad()
+        results.append(emb.weight.cpu().clone())
+    assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-12)
