@@ -9,7 +9,7 @@ import torch
 from . import __doc__ as DOC
 from .corpus import CORPORA
 from .model import neighbour_precision
-from .train import OPTIMIZERS, resolve_switching, train_all_on_gpu, train_switchers, warmup_steps
+from .train import OPTIMIZERS, resolve_switching, train_all_on_gpu, train_engine, warmup_steps
 
 
 def parser() -> argparse.ArgumentParser:
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
              else f"factories ({resolve_switching(a.switching, device)} switching)")
           + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 
-    r = train_switchers(a, corpus, device)
+    r = train_engine(a, corpus, device)
     quality = neighbour_precision(r["table"], corpus.cluster, corpus.judged_words())
     chance = (a.cluster_size - 1) / (a.vocab - 1)
     timed = a.steps - warmup_steps(a)
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         base = timed / train_all_on_gpu(a, corpus, device)
         print(f"baseline, whole tables on the GPU (SparseAdam): steps/s {base:,.1f}, GPU peak "
-              f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; switchers / baseline "
+              f"{torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB; ours / baseline "
               f"= {steps_per_s / base:.2f}")  # noqa
     # Judged only when each word was a centre ~20 times (short runs on huge tables time speed).
     if a.steps * a.batch >= 20 * a.vocab and not (r["losses"][-1] < r["losses"][0]

@@ -205,7 +205,8 @@ def warmup_steps(a) -> int:
     return min(10, a.steps // 10)
 
 
-def train_switchers(a, corpus, device):
+def train_engine(a, corpus, device):
+    """Train with the engine of --engine (HostEmbedding modules, or the factories); timed."""
     run = ModuleTraining(a, device) if a.engine == "module" else SwitcherTraining(a, device)
     losses = []
     next_batch = batch_source(a, corpus)
