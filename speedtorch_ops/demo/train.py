@@ -178,6 +178,8 @@ class ModuleTraining:
         return moved
 
     def describe(self) -> str:
+        if not any(emb.store.cached_bytes() for emb in (self.u, self.v)):
+            return ""  # no cache (the CPU): nothing to say
         parts = []
         for name, emb in (("u", self.u), ("v", self.v)):
             s = emb.cache_stats()
