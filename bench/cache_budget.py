@@ -56,9 +56,7 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
 
 def run_budget(a, run, batches, device, budget_mb):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all)."""
-    v_share = (1 + a.negatives) / (2 + a.negatives)
-    for emb, share in ((run.u, 1 - v_share), (run.v, v_share)):
-        emb.set_cache_bytes(int(budget_mb * 2**20 * share))
+    run.set_cache_mb(budget_mb)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

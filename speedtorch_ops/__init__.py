@@ -25,6 +25,7 @@ from . import io
 from .memory import empty_pinned, initialize_, is_zero_copy_usable, load_npy, pin_, unpin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
+from . import compat
 from .compat import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
                      CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
                      GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
@@ -46,12 +47,7 @@ __all__ = [
     "io",
     "load_npy",
     "is_zero_copy_usable",
-    "colocate",
     "HostEmbedding",
     "HostEmbeddingBag",
-    "ModelFactory", "OptimizerFactory", "COM", "DataGadget",
-    "ModelFactoryMM", "OptimizerFactoryMM", "COMMM", "DataGadgetMM",
-    "GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "GPUPytorchCOM",
-    "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory", "CPUPytorchCOM",
-    "PytorchModelFactory", "PytorchOptimizerFactory", "PytorchCOM",
+    *compat.__all__,  # the SpeedTorch-compatible classes and colocate
 ]

@@ -190,11 +190,10 @@ class _HostRowsModule(nn.Module):
         cache hits, rows loaded from the host, rows evicted to the host, misses written straight
         back; the hit rate; bytes moved over the host link."""
         lookups, hits, loads, evictions, direct = (int(x) for x in self.store.stats.tolist())
-        row = self.host[0].nbytes
         return {"lookups": lookups, "hits": hits, "host_loads": loads, "evictions": evictions,
                 "direct_writebacks": direct, "hit_rate": hits / lookups if lookups else 0.0,
-                "host_bytes": row * (loads + evictions + direct) if hits or evictions or direct
-                else 2 * row * loads, "cache_bytes": self.store.cached_bytes()}
+                "host_bytes": self.host[0].nbytes * (loads + evictions + direct),
+                "cache_bytes": self.store.cached_bytes()}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         self.flush()

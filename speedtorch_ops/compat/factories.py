@@ -24,22 +24,12 @@ import torch
 from torch import Tensor
 
 from .. import io
-from ..memory import initialize_, load_npy, pin_
+from ..memory import empty_pinned, initialize_, load_npy
 from ..training import optim_state
 from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
                                   next_free_name, resolve_dtype)
 from ..training.plan import Plan, reshaped_retrieval, sum_into_owners
 from ..training.stores import RowStore, SeparateTables
-
-
-def _public_tables(self):
-    """The table attribute users touch (``CUPYcorpus``, ``CUPYcorpi``, ``pytorchGPUVar``, ...):
-    the store's table(s), read through the store so they stay right when ``colocate`` swaps it."""
-    return self._public()
-
-
-def _assign_tables(self, value) -> None:
-    self._adopt(value)
 
 
 class _TableMethods:
@@ -50,9 +40,11 @@ class _TableMethods:
     _listed = False  # the attribute is a list of tables (one per optimizer-state tensor)
 
     def __init_subclass__(cls, **kwargs):
+        # The table attribute users touch (``CUPYcorpus``, ``CUPYcorpi``, ``pytorchGPUVar``,
+        # ...) reads through the store, so it stays right when ``colocate`` swaps the store.
         super().__init_subclass__(**kwargs)
         if not isinstance(getattr(cls, cls._attr, None), property):
-            setattr(cls, cls._attr, property(_public_tables, _assign_tables))
+            setattr(cls, cls._attr, property(cls._public, cls._adopt))
 
     _store: Optional[RowStore] = None
     _parts: List[int] = []  # the parts of the store that are this object's tables
@@ -185,9 +177,8 @@ class _Switcher(_TableMethods):
         them. Call it right after beforeForwardPass. Colocated factories only
         (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
         updated rows on the device, so training is the same as without prefetch."""
-        if self._store is None:
-            self._tables()
-        self._store.prefetch(self._plan_for(retrievedPosIndexes, retrievedNegIndexes))
+        plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)  # raises without a table
+        self._store.prefetch(plan)
 
 
 class _ModelSwitcher(_Switcher):
@@ -319,9 +310,9 @@ class _OptimizerSwitcher(_Switcher):
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         if not self.optVarList:  # a stateless optimizer (plain SGD): nothing to move
             return
-        self._plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
+        plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
         state = self.given_optimizer.state[self._param]
-        rows = self._store.load(self._plan, out=[state[key] for key in self.optVarList])
+        rows = self._store.load(plan, out=[state[key] for key in self.optVarList])
         for key, part in zip(self.optVarList, self._parts):
             state[key] = rows[part]
 
@@ -398,11 +389,7 @@ class _GadgetBase(_TableMethods):
         if isinstance(self.fileName, (str, bytes)) or hasattr(self.fileName, "__fspath__"):
             return load_npy(self.fileName, pin=self.CPUPinn and torch.cuda.is_available())
         data = torch.as_tensor(self.fileName)
-        if data.is_cuda:
-            data = data.cpu()
-        table = torch.empty(data.shape, dtype=data.dtype)
-        if self.CPUPinn and torch.cuda.is_available():
-            pin_(table)
+        table = empty_pinned(data.shape, data.dtype, pin=self.CPUPinn and torch.cuda.is_available())
         return table.copy_(data)
 
 

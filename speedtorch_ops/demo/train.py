@@ -141,16 +141,27 @@ class ModuleTraining:
 
     def __init__(self, a, device):
         cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, a.fused or None)
-        cache = int(a.cache_mb * 2**20) if device.type == "cuda" else 0
-        # The budget split by ids per step: v sees a context and the negatives per centre word.
-        v_share = (1 + a.negatives) / (2 + a.negatives)
+        cache = a.cache_mb if device.type == "cuda" else 0
         bound = 0.5 / a.dim
+        self.negatives = a.negatives
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
-                                           device=device, cache_bytes=int(cache * share))
-                          for share in (1 - v_share, v_share))
+                                           device=device, cache_bytes=share)
+                          for share in self.cache_split(cache))
         self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
         self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
         self.prefetching = False
+
+    def cache_split(self, cache_mb: float) -> tuple:
+        """(u's, v's) cache bytes: the budget split by ids per step (v sees a context and the
+        negatives per centre word)."""
+        v_share = (1 + self.negatives) / (2 + self.negatives)
+        total = int(cache_mb * 2**20)
+        return int(total * (1 - v_share)), int(total * v_share)
+
+    def set_cache_mb(self, cache_mb: float) -> None:
+        """Both caches resized to share `cache_mb` (see HostEmbedding.set_cache_bytes)."""
+        for emb, share in zip((self.u, self.v), self.cache_split(cache_mb)):
+            emb.set_cache_bytes(share)
 
     def step(self, batch, following=None) -> Tensor:
         labels, ctx, negs = (torch.from_numpy(x) for x in batch)

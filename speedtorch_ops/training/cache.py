@@ -90,6 +90,7 @@ class HostRows:
         """Write the staged rows (updated in place) back."""
         d, buf = self._take()
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
+        self.stats[4] += d.count[0]  # every staged row goes straight back
 
     def _take(self) -> tuple:
         if self._staged is None:
@@ -147,27 +148,28 @@ class CachedRows(HostRows):
         miss = d.valid & (slot < 0)
         self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
         # Hits from the cache (every other entry reads the scratch slot), misses from the host.
-        buf = self.cache.index_select(1, torch.where(hit, slot, scratch))
+        at = torch.where(hit, slot, scratch)
+        buf = self.cache.index_select(1, at)
         order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
         misses = miss.sum().view(1)
         self._move(buf.unbind(0), d.ids[order], order, misses, load=True)
         self.stats[0] += d.count[0]
         self.stats[1] += hit.sum()
         self.stats[2] += misses[0]
-        self._staged = (d, buf, slot, hit, order, misses)
+        self._staged = (d, buf, at, hit, order, misses)
         return buf, d
 
     def commit(self) -> None:
-        d, buf, slot, hit, order, misses = self._take()
-        n, scratch = d.n, self.slots
-        # Hits go back to their slots.
-        self.cache.index_copy_(1, torch.where(hit, slot, scratch), buf)
+        d, buf, at, hit, order, misses = self._take()
+        scratch = self.slots
+        # Hits go back to their slots (the other entries to the scratch slot).
+        self.cache.index_copy_(1, at, buf)
         # Victims for the misses: the least-frequently used slots this step does not use.
-        k = min(n, self.slots)
+        k = min(d.n, self.slots)
         occupied = self.id_of[: self.slots] >= 0
         prio = torch.where(occupied, self.freq[self.id_of[: self.slots].clamp(min=0)],
                            torch.full_like(self.freq[:1], -1.0).expand(self.slots))
-        prio = self._exclude_hits(prio, slot, hit)
+        prio = self._exclude_hits(prio, at)
         victims = torch.topk(prio, k, largest=False, sorted=True).indices  # coldest first
         j = d.positions[:k]
         miss_ids = d.ids[order[:k]]
@@ -208,10 +210,10 @@ class CachedRows(HostRows):
         self.slot_of.fill_(-1)
         self.id_of.fill_(-1)
 
-    def _exclude_hits(self, prio: Tensor, slot: Tensor, hit: Tensor) -> Tensor:
-        """Slots holding rows of this step cannot be victims."""
-        busy = torch.where(hit, slot, self.slots)  # misses and padding: the scratch slot
-        return torch.cat([prio, prio.new_zeros(1)]).index_fill_(0, busy, float("inf"))[:-1]
+    def _exclude_hits(self, prio: Tensor, at: Tensor) -> Tensor:
+        """Slots holding rows of this step (`at`: each entry's slot, the scratch slot for misses
+        and padding) cannot be victims."""
+        return torch.cat([prio, prio.new_zeros(1)]).index_fill_(0, at, float("inf"))[:-1]
 
     def flush(self) -> None:
         """Write every cached row to the host table (it is then complete); the rows stay cached.

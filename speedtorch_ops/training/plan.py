@@ -57,11 +57,6 @@ class Plan:
         self._owner: Optional[Tensor] = None
         self._range: Optional[tuple] = None
 
-    @classmethod
-    def of(cls, pos, neg, device: torch.device) -> "Plan":
-        """The plan of SpeedTorch's (positives, negatives) ids."""
-        return cls(reshaped_retrieval(pos, neg), device)
-
     def __len__(self) -> int:
         return self.cpu.numel()
 

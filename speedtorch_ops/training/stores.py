@@ -235,7 +235,7 @@ class ColocatedRows(RowStore):
         for t in used:
             t.record_stream(self.stream)
 
-    def _gather(self, batch: _Batch, by_sort: tuple) -> None:
+    def _gather(self, batch: _Batch) -> None:
         """Load the batch's rows: each distinct row read once, whole, in address order."""
         if self._whole_rows:
             rows = torch.empty((batch.buf.shape[1], self._flat.shape[1]), dtype=self.host.dtype,
@@ -244,7 +244,7 @@ class ColocatedRows(RowStore):
                                    bounds_check=_NO_WAIT)
             batch.buf.copy_(rows.view(-1, self.parts, *self.row_shape).transpose(0, 1))
             return
-        ops._sorted_transfer(self.host, batch.buf.unbind(0), *by_sort, load=True,
+        ops._sorted_transfer(self.host, batch.buf.unbind(0), *batch.plan.sorted, load=True,
                              bounds_check=_NO_WAIT)
 
     def _scatter(self, batch: _Batch) -> None:
@@ -268,9 +268,10 @@ class ColocatedRows(RowStore):
         current = self.current
         stale = current if current is not None and not current.written else None
         batch = _Batch(plan, self._buffer(len(plan)), stale_from=stale)
-        by_sort = plan.sorted  # sorted on the current stream, used on the transfer stream
-        with self._on_transfer_stream(batch.buf, *by_sort):
-            self._gather(batch, by_sort)
+        # The sort runs on the current stream, the transfer that uses it on the transfer stream.
+        used = () if self._whole_rows else plan.sorted
+        with self._on_transfer_stream(batch.buf, *used):
+            self._gather(batch)
             if self.stream is not None:
                 batch.ready = self.stream.record_event()
         self.pending = batch
@@ -291,7 +292,7 @@ class ColocatedRows(RowStore):
             batch = _Batch(plan, self._buffer(len(plan)))
             if self.stream is not None:  # write-backs queued on the transfer stream land first
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._gather(batch, plan.sorted)
+            self._gather(batch)
         batch.stale_from = None
         self.current = batch
         return list(batch.buf.unbind(0))
