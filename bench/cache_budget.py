@@ -54,9 +54,11 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
     return hits / total
 
 
-def run_budget(a, run, batches, device, budget_mb):
-    """Steps at this budget, the tables as the previous budget left them (one set-up for all)."""
+def run_budget(a, run, batches, device, budget_mb, mode="graph"):
+    """Steps at this budget, the tables as the previous budget left them (one set-up for all);
+    mode "graph": each step one CUDA graph replay, "eager": launched op by op."""
     run.set_cache_mb(budget_mb)
+    run.graphed = mode == "graph"
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -82,7 +84,7 @@ def run_budget(a, run, batches, device, budget_mb):
     moved = sum(s1["host_bytes"] - s0["host_bytes"] for s0, s1 in zip(stats0, stats1))
     slots = [getattr(emb.store, "slots", 0) for emb in (run.u, run.v)]
     used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
-    return {"budget_mb": budget_mb, "steps_per_s": a.steps / seconds,
+    return {"budget_mb": budget_mb, "mode": mode, "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
             "oracle_hit_rate": oracle_hit_rate(used, slots, a.vocab) if slots[0] else 0.0,
             "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
@@ -94,7 +96,7 @@ def profile_steps(a, run, batches, device) -> None:
     """torch.profiler over 10 steps at budget a.profile: the GPU time per op, top 25."""
     from torch.profiler import ProfilerActivity, profile
     run_budget(argparse.Namespace(**{**vars(a), "warmup": 0, "steps": 1}), run, batches, device,
-               a.profile)
+               a.profile, "eager")
     for i in range(30):
         run.step(batches[i % len(batches)])
     torch.cuda.synchronize()
@@ -119,6 +121,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fused", action="store_true")
     p.add_argument("--budgets", type=float, nargs="+", default=[0, 300, 600, 1200, 2400])
+    p.add_argument("--modes", nargs="+", choices=["graph", "eager"], default=["graph", "eager"],
+                   help="graph: the step captured in a CUDA graph (speedtorch_ops.CapturedStep); "
+                        "eager: launched op by op")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
@@ -130,12 +135,13 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
-    a.cache_mb = 0
+    a.cache_mb, a.graph = 0, "on"
     run = ModuleTraining(a, device)
     rows = []
     for b in a.budgets:
-        rows.append(run_budget(a, run, batches, device, b))
-        print(rows[-1], flush=True)
+        for mode in a.modes:
+            rows.append(run_budget(a, run, batches, device, b, mode))
+            print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
     base = float("nan")
@@ -155,10 +161,10 @@ def main() -> None:
     print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
           f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
           f"{base:.1f} steps/s")
-    print(f"{'budget MiB':>10} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+    print(f"{'budget MiB':>10} {'mode':>6} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>6} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
@@ -173,8 +179,10 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["budget_mb"] for r in rows], [r["steps_per_s"] for r in rows], "o-",
-            label="HostEmbedding + GPU row cache")
+    for mode in a.modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o-",
+                label=f"HostEmbedding + GPU row cache ({mode})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")

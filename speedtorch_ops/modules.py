@@ -46,8 +46,12 @@ class _HostRowsModule(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32,
                  optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
-                 device=None, cache_bytes: int = 0, _weight: Optional[Tensor] = None):
+                 device=None, cache_bytes: int = 0, bounds_check: str = "raise",
+                 _weight: Optional[Tensor] = None):
         super().__init__()
+        if bounds_check not in ("raise", "prechecked"):
+            raise ValueError(f"bounds_check must be 'raise' or 'prechecked', got {bounds_check!r}")
+        self.bounds_check = bounds_check
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -120,14 +124,7 @@ class _HostRowsModule(nn.Module):
                                "call step() first")
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
-        if len(tensors) == 1:
-            flat = tensors[0].reshape(-1)
-        elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
-            # NumPy joins host ids without waking torch's CPU thread pool (~0.3 ms per call).
-            flat = torch.from_numpy(np.concatenate([t.reshape(-1).numpy() for t in tensors]))
-        else:
-            flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
-        plan = Plan(flat, self.device)
+        plan = self._plan(tensors)
         buf, distinct = self.store.stage(plan)
         training = torch.is_grad_enabled() and self.training
         with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
@@ -142,6 +139,23 @@ class _HostRowsModule(nn.Module):
         else:
             self.store.discard()
         return rows, shapes
+
+    def _plan(self, tensors: list) -> Plan:
+        """One plan for the ids of all `tensors` of a step."""
+        if self.device.type == "cuda" and all(t.device == self.device for t in tensors):
+            # Ids on the module's GPU stay there: no host copy, so a whole training step can
+            # be captured in a CUDA graph (with bounds_check="prechecked").
+            flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else \
+                tensors[0].reshape(-1)
+            return Plan.on_device(flat, self.bounds_check)
+        if len(tensors) == 1:
+            flat = tensors[0].reshape(-1)
+        elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
+            # NumPy joins host ids without waking torch's CPU thread pool (~0.3 ms per call).
+            flat = torch.from_numpy(np.concatenate([t.reshape(-1).numpy() for t in tensors]))
+        else:
+            flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
+        return Plan(flat, self.device)
 
     def step(self) -> None:
         """Update the rows the last forward touched (and their optimizer state) with their

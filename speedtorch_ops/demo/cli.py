@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=1200,
                    help="GPU row cache of the module engine, for both tables together (rows "
                         "with their optimizer state, and the cache's index)")
+    p.add_argument("--graph", choices=["on", "off"], default="off",
+                   help="module engine on a GPU: capture the whole step once in a CUDA graph and "
+                        "replay it (speedtorch_ops.CapturedStep)")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
                    default="auto",
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "

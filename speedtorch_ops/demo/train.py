@@ -3,6 +3,7 @@ memory), and the plain-PyTorch baseline with the whole tables on the GPU; both t
 
 from __future__ import annotations
 
+import inspect
 import resource
 import time
 
@@ -137,16 +138,26 @@ class ModuleTraining:
     """The tables and their optimizer state in host memory behind ``speedtorch_ops.HostEmbedding``
     modules (pinned on a GPU), with GPU row caches sharing ``--cache-mb`` in proportion to the
     ids each table sees per step: a step moves only the rows the caches miss (and the rows they
-    evict)."""
+    evict). With ``--graph on`` (a GPU) the whole step is captured once in a CUDA
+    graph (``speedtorch_ops.CapturedStep``) and replayed: the host checks the ids and launches
+    one graph per step."""
 
     def __init__(self, a, device):
         cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, a.fused or None)
         cache = a.cache_mb if device.type == "cuda" else 0
         bound = 0.5 / a.dim
         self.negatives = a.negatives
+        self.vocab = a.vocab
+        self.graphed = device.type == "cuda" and getattr(a, "graph", "off") == "on"
+        if self.graphed and not kwargs.get("fused") and "capturable" in inspect.signature(
+                cls).parameters:
+            kwargs["capturable"] = True  # the step counter stays on the GPU
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
-                                           device=device, cache_bytes=share)
+                                           device=device, cache_bytes=share,
+                                           bounds_check="prechecked" if self.graphed else "raise")
                           for share in self.cache_split(cache))
+        self._captured = None
+        self.steps_done = 0
         self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
         self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
         self.prefetching = False
@@ -160,11 +171,11 @@ class ModuleTraining:
 
     def set_cache_mb(self, cache_mb: float) -> None:
         """Both caches resized to share `cache_mb` (see HostEmbedding.set_cache_bytes)."""
+        self._captured = None  # the graph used the old caches
         for emb, share in zip((self.u, self.v), self.cache_split(cache_mb)):
             emb.set_cache_bytes(share)
 
-    def step(self, batch, following=None) -> Tensor:
-        labels, ctx, negs = (torch.from_numpy(x) for x in batch)
+    def _train(self, labels, ctx, negs) -> Tensor:
         u = self.u(labels)
         vc, vn = self.v(ctx, negs)
         loss = skipgram_loss(u, vc, vn)
@@ -172,6 +183,15 @@ class ModuleTraining:
         self.u.step()
         self.v.step()
         return loss.detach()
+
+    def step(self, batch, following=None) -> Tensor:
+        self.steps_done += 1
+        if not self.graphed:
+            return self._train(*(torch.from_numpy(x) for x in batch))
+        if self._captured is None:
+            self._captured = so.CapturedStep(self._train, rows=(self.vocab,) * 3,
+                                             device=self.u.device)
+        return self._captured(*batch).clone()  # the graph's output is overwritten next step
 
     def tables(self) -> list:
         return [self.u.host, self.v.host]
@@ -184,8 +204,7 @@ class ModuleTraining:
         moved = 0
         for emb in (self.u, self.v):
             s = emb.cache_stats()
-            steps = max(1, emb.steps)
-            moved += (s["host_bytes"] / emb.host[0].nbytes) / steps
+            moved += (s["host_bytes"] / emb.host[0].nbytes) / max(1, self.steps_done)
         return moved
 
     def describe(self) -> str:

@@ -129,7 +129,8 @@ class CachedRows(HostRows):
         self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=self.device)
         self.id_of = torch.full((slots + 1,), -1, dtype=torch.int64, device=self.device)
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
-        self._steps = 0
+        # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
+        self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def index_bytes(rows: int) -> int:
@@ -149,7 +150,9 @@ class CachedRows(HostRows):
         self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
         # Hits from the cache (every other entry reads the scratch slot), misses from the host.
         at = torch.where(hit, slot, scratch)
-        buf = self.cache.index_select(1, at)
+        buf = self._buffer(n)
+        for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
+            torch.index_select(part, 0, at, out=rows)
         order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
         misses = miss.sum().view(1)
         self._move(buf.unbind(0), d.ids[order], order, misses, load=True)
@@ -162,8 +165,6 @@ class CachedRows(HostRows):
     def commit(self) -> None:
         d, buf, at, hit, order, misses = self._take()
         scratch = self.slots
-        # Hits go back to their slots (the other entries to the scratch slot).
-        self.cache.index_copy_(1, at, buf)
         # Victims for the misses: the least-frequently used slots this step does not use.
         k = min(d.n, self.slots)
         occupied = self.id_of[: self.slots] >= 0
@@ -172,7 +173,8 @@ class CachedRows(HostRows):
         prio = self._exclude_hits(prio, at)
         victims = torch.topk(prio, k, largest=False, sorted=True).indices  # coldest first
         j = d.positions[:k]
-        miss_ids = d.ids[order[:k]]
+        first = order[:k]  # the staged positions of the misses (ascending), then the rest
+        miss_ids = d.ids[first]
         cold = prio[victims]
         admit = (j < misses) & (self.freq[miss_ids] >= cold) & torch.isfinite(cold)
         old = self.id_of[victims]
@@ -182,16 +184,19 @@ class CachedRows(HostRows):
         ev_sorted, ev_order = torch.sort(ev_key)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evict.sum().view(1),
                    load=False)
-        # Admitted misses into their slots; the map follows.
-        # Scalars go in through index_fill_: a Python scalar assigned by indexing is copied up
-        # from pageable memory, which makes the host wait for the GPU.
+        # Each staged row's slot: hits their own, admitted misses their victim's, the rest the
+        # scratch slot; one copy per part puts them all back.
+        dest = at.index_copy(0, first, torch.where(admit, victims, at[first]))
+        for part, rows in zip(self.cache, buf):
+            part.index_copy_(0, dest, rows)
+        # The map follows. Scalars go in through index_fill_: a Python scalar assigned by
+        # indexing is copied up from pageable memory, which makes the host wait for the GPU.
         dump_row, dump_slot = self.slot_of.numel() - 1, scratch
         self.slot_of.index_fill_(0, torch.where(evict, old, dump_row), -1)
         self.slot_of.index_copy_(0, torch.where(admit, miss_ids, dump_row),
                                  victims.to(torch.int32))
         self.id_of.index_copy_(0, torch.where(admit, victims, dump_slot),
                                torch.where(admit, miss_ids, -1))
-        self.cache.index_copy_(1, torch.where(admit, victims, scratch), buf[:, order[:k]])
         # Misses not admitted go straight back to the host.
         rest = (d.positions < misses)
         rest[:k] &= ~admit
@@ -200,9 +205,9 @@ class CachedRows(HostRows):
                    load=False)
         self.stats[3] += evict.sum()
         self.stats[4] += rest.sum()
-        self._steps += 1
-        if self._steps % self.aging_steps == 0:
-            self.freq.mul_(0.5)
+        # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
+        self._age += 1
+        self.freq.mul_(torch.where(self._age % self.aging_steps == 0, 0.5, 1.0))
 
     def reset(self) -> None:
         """The host table was rewritten: the cached copies are dropped, not written back."""

@@ -44,21 +44,49 @@ def host_ids(ids, name: str = "ids") -> Tensor:
     return ids.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
 
 
+def out_of_range(name: str, position: int, value: int, rows: int) -> RuntimeError:
+    return RuntimeError(f"{name}[{position}] = {value} is out of range for a table of {rows} "
+                        f"rows; every id must be in [0, {rows}). Nothing was written.")
+
+
 class Plan:
     """One batch's ids: on the host (``cpu``), and on ``device`` once asked for (``index``),
-    sorted once, with each slot's owner. Device work is queued without synchronizing."""
+    sorted once, with each slot's owner. Device work is queued without synchronizing.
+
+    ``Plan.on_device(index)``: a plan of ids that are already on a GPU (``cpu`` is None); no
+    host copy is made, so such a plan can be built inside a CUDA graph capture."""
 
     def __init__(self, ids, device: torch.device):
         self.cpu = host_ids(ids)
+        self.bounds_check = "raise"
         self.device = torch.device(device)
         self._index: Optional[Tensor] = None
+        self._init_cache()
+
+    @classmethod
+    def on_device(cls, index: Tensor, bounds_check: str = "raise", name: str = "ids") -> "Plan":
+        """A plan of the ids `index` (integers, any shape) where they are; nothing crosses to
+        the host. ``bounds_check``: how ``check`` treats them (see there)."""
+        if index.dtype not in _INTEGER:
+            raise TypeError(f"{name} must be integers, got {index.dtype}")
+        if bounds_check not in ("raise", "prechecked"):
+            raise ValueError(f"bounds_check must be 'raise' or 'prechecked', got {bounds_check!r}")
+        plan = cls.__new__(cls)
+        plan.bounds_check = bounds_check
+        plan.cpu = None
+        plan.device = index.device
+        plan._index = index.reshape(-1).to(torch.int64)
+        plan._init_cache()
+        return plan
+
+    def _init_cache(self) -> None:
         self._sorted: Optional[tuple] = None
         self._owner_sorted: Optional[Tensor] = None
         self._owner: Optional[Tensor] = None
         self._range: Optional[tuple] = None
 
     def __len__(self) -> int:
-        return self.cpu.numel()
+        return self.cpu.numel() if self.cpu is not None else self._index.numel()
 
     def same_ids(self, other: Tensor) -> bool:
         """Whether `other` (1-D int64 on the CPU) holds these ids: a few first (batches of a
@@ -69,9 +97,14 @@ class Plan:
         return bool((x[:8] == y[:8]).all()) and bool(np.array_equal(x, y))
 
     def check(self, rows: int, name: str = "ids") -> None:
-        """Raise unless every id is in [0, rows): on the host, where the ids already are, so the
-        ops need not wait for their own device-side check (they run with
-        bounds_check='prechecked')."""
+        """Raise unless every id is in [0, rows). Host ids are checked on the host, where they
+        already are, so the ops need not wait for their own device-side check (they run with
+        bounds_check='prechecked'). Ids that came on the GPU are checked there with one wait
+        for the GPU (the plan's ``bounds_check="raise"``), or not at all (``"prechecked"``: the
+        caller checked them, e.g. on the host before copying them into a CUDA graph's inputs)."""
+        if self.cpu is None:
+            self._check_on_device(rows, name)
+            return
         if self.cpu.numel() == 0:
             return
         if self._range is None:  # NumPy: torch wakes its thread pool for 50 k ids
@@ -79,9 +112,21 @@ class Plan:
             self._range = (int(ids.min()), int(ids.max()))
         if self._range[0] < 0 or self._range[1] >= rows:
             bad = int(((self.cpu < 0) | (self.cpu >= rows)).nonzero()[0])
-            raise RuntimeError(f"{name}[{bad}] = {int(self.cpu[bad])} is out of range for a table "
-                               f"of {rows} rows; every id must be in [0, {rows}). Nothing was "
-                               "written.")
+            raise out_of_range(name, bad, int(self.cpu[bad]), rows)
+
+    def _check_on_device(self, rows: int, name: str) -> None:
+        if self.bounds_check == "prechecked" or self._range is not None or self._index.numel() == 0:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name} on the GPU cannot be checked inside a CUDA graph capture "
+                               "(the check waits for the GPU): check them on the host before "
+                               "they are copied into the graph's inputs and pass "
+                               "bounds_check='prechecked'")
+        bad = ((self._index < 0) | (self._index >= rows)).nonzero()  # waits for the GPU
+        if bad.numel():
+            at = int(bad[0, 0])
+            raise out_of_range(name, at, int(self._index[at]), rows)
+        self._range = (0, rows - 1)
 
     @property
     def index(self) -> Tensor:
@@ -94,6 +139,8 @@ class Plan:
         """The ids on `device`: the plan's own copy there, else a fresh upload."""
         if device == self.device or device.type == self.device.type == "cpu":
             return self.index
+        if self.cpu is None:
+            return self._index.to(device)
         return upload(self.cpu, device)
 
     @property

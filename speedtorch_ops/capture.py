@@ -1,0 +1,110 @@
+"""A whole training step captured once in a CUDA graph and replayed: the host then spends
+microseconds per step instead of milliseconds of Python and kernel launches.
+
+    emb = HostEmbedding(V, D, optimizer=torch.optim.Adam,
+                        optimizer_kwargs={"lr": 1e-3, "capturable": True},
+                        cache_bytes=2**30, bounds_check="prechecked")
+
+    def train_step(ids):                  # ids: on the GPU, the same shape every step
+        loss = head(emb(ids)).sum()
+        loss.backward()
+        emb.step(); dense_optimizer.step(); dense_optimizer.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    step = CapturedStep(train_step, rows=(V,))
+    for ids in batches:                   # host ids (NumPy or CPU tensors)
+        loss = step(ids)                  # checked on the host, then one graph replay
+
+Every call trains one step: the first ``warmup`` calls run eagerly on a side stream (CUDA graphs
+need the allocations and lazy initialisations done before capture), the next one captures and
+replays. What a step may do: only GPU work with shapes fixed by the ids' shapes (the modules
+qualify: a step never makes the host wait), optimizers built with ``capturable=True`` (or
+``fused=True``), dense gradients kept between steps (``zero_grad(set_to_none=False)``). The
+ids are checked on the host against ``rows`` before they are copied in, so the modules need not
+check them on the GPU (``bounds_check="prechecked"``). Returned tensors are the graph's own
+outputs, overwritten by the next call: clone what you keep. Anything that reallocates what the
+graph uses (``set_cache_bytes``, a new optimizer) needs a new ``CapturedStep``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .training.plan import host_ids, out_of_range
+
+
+class CapturedStep:
+    """``step(*ids)`` (device id tensors in, tensors out) captured in a CUDA graph; see the
+    module docstring. ``rows[k]``: the number of rows the ``k``-th ids index (checked on the
+    host: a bad id raises before anything is copied or run)."""
+
+    def __init__(self, step: Callable, rows: Sequence[int], device=None, warmup: int = 3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CapturedStep needs a CUDA GPU (CUDA graphs)")
+        if warmup < 1:
+            raise ValueError(f"warmup must be at least 1 (eager steps before the capture), got "
+                             f"{warmup}")
+        self.step = step
+        self.rows = [int(r) for r in rows]
+        self.device = torch.device(device) if device is not None else torch.device(
+            "cuda", torch.cuda.current_device())
+        self.warmup = warmup
+        self.calls = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._inputs: Optional[list] = None
+        self._outputs = None
+        self._side = torch.cuda.Stream(self.device)
+
+    def _checked(self, ids) -> list:
+        if len(ids) != len(self.rows):
+            raise ValueError(f"expected {len(self.rows)} id tensors (one per entry of rows), got "
+                             f"{len(ids)}")
+        out = []
+        for k, (x, rows) in enumerate(zip(ids, self.rows)):
+            shape = tuple(np.shape(x))
+            flat = host_ids(x, f"ids[{k}]")
+            if self._inputs is not None and shape != tuple(self._inputs[k].shape):
+                raise ValueError(f"ids[{k}] has shape {shape}, but the step was captured with "
+                                 f"{tuple(self._inputs[k].shape)}; a graph replays fixed shapes")
+            if flat.numel():
+                values = flat.numpy()
+                low, high = int(values.min()), int(values.max())
+                if low < 0 or high >= rows:
+                    bad = int(((values < 0) | (values >= rows)).nonzero()[0][0])
+                    raise out_of_range(f"ids[{k}]", bad, int(values[bad]), rows)
+            out.append(flat.view(shape))
+        return out
+
+    def _upload(self, values: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        staging = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
+        np.copyto(staging.numpy(), values.numpy())
+        if into is None:
+            return staging.to(self.device, non_blocking=True)
+        # The pinned staging buffer is not reused before this copy ran (torch's host
+        # allocator records the copy's stream).
+        return into.copy_(staging, non_blocking=True)
+
+    def __call__(self, *ids):
+        host = self._checked(ids)
+        self.calls += 1
+        if self.calls <= self.warmup:
+            current = torch.cuda.current_stream(self.device)
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                result = self.step(*[self._upload(h) for h in host])
+            current.wait_stream(self._side)
+            return result
+        if self.graph is None:
+            self._inputs = [self._upload(h) for h in host]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._outputs = self.step(*self._inputs)
+            self.graph = graph  # only a capture that finished is replayed
+        else:
+            for h, into in zip(host, self._inputs):
+                self._upload(h, into)
+        self.graph.replay()
+        return self._outputs

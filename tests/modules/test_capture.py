@@ -1,0 +1,122 @@
+"""A whole training step (HostEmbedding with a small GPU row cache, a dense head, both
+optimizers) captured in a CUDA graph by CapturedStep trains exactly like the same step run
+eagerly (float64, Adam with capturable=True, evictions every step); bad ids and wrong shapes
+are refused on the host before anything runs. The capture needs the GPU machine."""
+
+import pytest
+import torch
+from torch import nn
+
+import speedtorch_ops as so
+from conftest import HAS_CUDA
+
+ROWS, DIM, SHAPE = 60, 6, (5, 4)
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA GPU "
+                                                    "(scripts/gpu_check.sh)")
+
+
+def step_fn(emb, head, opt):
+    def train_step(ids, other):
+        a, b = emb(ids, other)
+        out = head(torch.tanh(a + b)).squeeze(-1)
+        loss = (out - 0.5).pow(2).sum()
+        loss.backward()
+        emb.step()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the graph keeps its gradient buffers
+        return loss.detach()
+    return train_step
+
+
+def build(init, slots, bounds_check):
+    emb = so.HostEmbedding.from_pretrained(
+        init, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},
+        device="cuda", bounds_check=bounds_check,
+        cache_bytes=ROWS * 8 + slots * init[0].nbytes * 3 if slots else 0)
+    head = nn.Linear(DIM, 1, dtype=torch.float64, device="cuda")
+    with torch.no_grad():
+        head.weight.copy_(torch.linspace(-1, 1, DIM, dtype=torch.float64))
+        head.bias.fill_(0.1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    return emb, head, step_fn(emb, head, opt)
+
+
+def batches(steps, gen):
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, ROWS, SHAPE, generator=gen)
+        hot = torch.randint(0, 8, SHAPE, generator=gen)
+        ids = torch.where(torch.rand(SHAPE, generator=gen) < 0.5, hot, ids)  # repeats
+        out.append((ids, torch.randint(0, ROWS, SHAPE, generator=gen)))
+    return out
+
+
+@cuda_only
+@pytest.mark.parametrize("slots", [0, 7, 25])
+def test_captured_steps_train_like_eager(slots, gen):
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    data = batches(12, gen)
+    emb_e, head_e, eager = build(init, slots, "raise")
+    emb_g, head_g, graphed = build(init, slots, "prechecked")
+    captured = so.CapturedStep(graphed, rows=(ROWS, ROWS), warmup=2)
+    losses = []
+    for ids, other in data:
+        losses.append((float(eager(ids.cuda(), other.cuda())),
+                       float(captured(ids.numpy(), other))))
+    assert captured.graph is not None  # the later steps were replays
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-10, atol=1e-12)  # noqa: E731
+    for e, g in losses:
+        assert abs(e - g) <= 1e-10 * max(1.0, abs(e)), losses
+    assert close(emb_g.weight, emb_e.weight)
+    for key, value in emb_e.state_dict().items():
+        assert close(emb_g.state_dict()[key].to(value.device), value), key
+    assert close(head_g.weight, head_e.weight)
+    if slots:
+        stats = emb_g.cache_stats()  # the counts advanced in the replays too
+        assert stats == emb_e.cache_stats()
+        assert stats["lookups"] > 0 and stats["hits"] > 0
+        if slots == 7:
+            assert stats["evictions"] + stats["direct_writebacks"] > 0, stats
+
+
+@cuda_only
+def test_captured_step_refuses_bad_ids_and_shapes(gen):
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    emb, _, step = build(init, 7, "prechecked")
+    captured = so.CapturedStep(step, rows=(ROWS, ROWS), warmup=1)
+    data = batches(3, gen)
+    for ids, other in data[:2]:  # an eager step, then the capture
+        captured(ids, other)
+    before = emb.weight.clone()
+    bad = data[2][1].clone()
+    bad.view(-1)[7] = ROWS
+    with pytest.raises(RuntimeError, match=rf"ids\[1\]\[7\] = {ROWS} is out of range"):
+        captured(data[2][0], bad)
+    with pytest.raises(ValueError, match=r"ids\[0\] has shape \(3, 4\)"):
+        captured(data[2][0][:3], data[2][1])
+    with pytest.raises(ValueError, match="expected 2 id tensors"):
+        captured(data[2][0])
+    torch.cuda.synchronize()
+    assert torch.equal(emb.weight, before)  # nothing ran
+
+
+@cuda_only
+def test_device_ids_cannot_be_checked_inside_a_capture(gen):
+    """With bounds_check="raise", ids on the GPU are checked with a wait for the GPU, which a
+    capture cannot do: the capture fails with an error that says what to do."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    _, _, step = build(init, 7, "raise")
+    captured = so.CapturedStep(step, rows=(ROWS, ROWS), warmup=1)
+    ids, other = batches(2, gen)[0]
+    captured(ids, other)
+    with pytest.raises(RuntimeError, match="bounds_check='prechecked'"):
+        captured(ids, other)
+
+
+def test_captured_step_needs_a_gpu_or_a_warmup():
+    if not HAS_CUDA:
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            so.CapturedStep(lambda ids: ids, rows=(4,))
+    else:
+        with pytest.raises(ValueError, match="warmup must be at least 1"):
+            so.CapturedStep(lambda ids: ids, rows=(4,), warmup=0)
