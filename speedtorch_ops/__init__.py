@@ -4,9 +4,9 @@ Layers, data flowing down: the SpeedTorch-compatible classes (``compat``) -> row
 step's plan (``training``) -> typed wrappers, fakes and autograd (``ops``) ->
 ``torch.ops.speedtorch_ops`` (the C++/CUDA kernels). ``memory`` holds the pinned-memory helpers,
 ``io`` streamed and atomic saves and loads of tables, ``modules`` HostEmbedding and
-HostEmbeddingBag, ``capture`` a whole training step in a CUDA graph, ``distributed``
-(imported on its own: ``import speedtorch_ops.distributed``) the modules split by rows across a
-torch.distributed group, ``demo`` the main job (``python -m speedtorch_ops.demo``).
+HostEmbeddingBag, ``optim`` RowWiseAdagrad, ``capture`` a whole training step in a CUDA graph,
+``distributed`` (imported on its own: ``import speedtorch_ops.distributed``) the modules split by
+rows across a torch.distributed group, ``demo`` the main job (``python -m speedtorch_ops.demo``).
 """
 
 import torch
@@ -22,6 +22,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from .modules import HostEmbedding, HostEmbeddingBag
 from .capture import CapturedStep
+from . import optim
+from .optim import RowWiseAdagrad
 from . import io
 from .memory import empty_pinned, initialize_, is_zero_copy_usable, load_npy, pin_, unpin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
@@ -51,5 +53,7 @@ __all__ = [
     "HostEmbedding",
     "HostEmbeddingBag",
     "CapturedStep",
+    "optim",
+    "RowWiseAdagrad",
     *compat.__all__,  # the SpeedTorch-compatible classes and colocate
 ]

@@ -8,7 +8,9 @@ and ``HostEmbeddingBag`` (like ``nn.EmbeddingBag``), each with its own optimizer
     emb.step()                  # the touched rows and their optimizer state are updated
 
 The full table and its per-row optimizer state sit side by side in one pinned host table (rows,
-1 + states, dim) (ordinary memory on a machine without a GPU). A forward stages the distinct rows
+1 + states, dim) (ordinary memory on a machine without a GPU); state that holds one value per
+row (``speedtorch_ops.optim.RowWiseAdagrad``) is packed after the row's weight instead, so its
+rows are (1, dim + 1 rounded up to 16 bytes). A forward stages the distinct rows
 of its ids, with their state, on the device (from a GPU row cache when ``cache_bytes`` allows
 one, else from the host); ``step()`` runs the torch optimizer on those rows and commits them.
 
@@ -19,6 +21,11 @@ it adds eps). A step is one forward (pass every id tensor of the step to that on
 ``emb(ids_a, ids_b)`` returns one output each), one backward, one ``step()``. A forward under
 ``torch.no_grad()`` or in eval mode only reads. The tables are not ``nn.Parameter``s (the module
 updates them itself, as FBGEMM's fused embeddings do): keep them out of the dense optimizer.
+
+Ids from the host are checked there (a bad id raises naming it; nothing is written) and
+uploaded once. Ids already on the module's GPU stay there: ``bounds_check="raise"`` (default)
+checks them on the GPU with one wait, ``"prechecked"`` trusts the caller; with those the
+whole step has no host wait and a CUDA graph can capture it (``speedtorch_ops.CapturedStep``).
 """
 
 from __future__ import annotations
@@ -73,22 +80,35 @@ class _HostRowsModule(nn.Module):
         self._fills, scalars = optim_state.state_layout(self.optimizer, group)
         optim_state.init_state(self.optimizer, self._rows, group, self._fills, scalars)
         self.state_keys = list(self._fills)
-        parts = 1 + len(self.state_keys)
+        per_row = optim_state.row_state_keys(self.optimizer)
+        self.layout = optim_state.RowLayout(
+            embedding_dim, [k for k in self.state_keys if k not in per_row],
+            [k for k in self.state_keys if k in per_row], self.dtype)
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"weights must have shape ({num_embeddings}, {embedding_dim}), got "
+                             f"{tuple(_weight.shape)}")
         placement = "pinned" if self.device.type == "cuda" else "cpu"
-        self.host = allocate((num_embeddings, parts, embedding_dim), self.dtype, placement)
+        self.host = allocate((num_embeddings, self.layout.parts, self.layout.width), self.dtype,
+                             placement)
         with torch.no_grad():
+            self.host[:, 0, embedding_dim:].zero_()  # packed per-row state and padding
             if _weight is not None:
-                if tuple(_weight.shape) != (num_embeddings, embedding_dim):
-                    raise ValueError(f"weights must have shape ({num_embeddings}, "
-                                     f"{embedding_dim}), got {tuple(_weight.shape)}")
-                self.host[:, 0].copy_(_weight)
+                self._table("weight").copy_(_weight)
             else:
-                self.host[:, 0].normal_()  # nn.Embedding's initialisation
-            for k, key in enumerate(self.state_keys):
-                self.host[:, 1 + k].fill_(self._fills[key])
+                self._table("weight").normal_()  # nn.Embedding's initialisation
+            self._fill_state()
         self.store = self._make_store(cache_bytes)
         self._staged = None
         self.steps = 0  # step() calls so far
+
+    def _table(self, name: str) -> Tensor:
+        """A view of the host table: "weight" (rows, dim), or a state entry's (rows, dim), or
+        (rows,) for state kept per row."""
+        return self.layout.of_table(self.host, name)
+
+    def _fill_state(self) -> None:
+        for key in self.state_keys:
+            self._table(key).fill_(self._fills[key])
 
     def set_cache_bytes(self, cache_bytes: int) -> None:
         """Change the GPU row cache's budget (0: no cache). The cached rows are written back
@@ -128,10 +148,10 @@ class _HostRowsModule(nn.Module):
         buf, distinct = self.store.stage(plan)
         training = torch.is_grad_enabled() and self.training
         with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
-            self._rows.set_(buf[0])
+            self._rows.set_(self.layout.of_staged(buf, "weight"))
         state = self.optimizer.state[self._rows]
-        for k, key in enumerate(self.state_keys):
-            state[key] = buf[1 + k]
+        for key in self.state_keys:
+            state[key] = self.layout.of_staged(buf, key)
         self._rows.grad = None
         rows = self._rows.index_select(0, distinct.inverse)  # backward: an index_add, no wait
         if training:
@@ -184,10 +204,9 @@ class _HostRowsModule(nn.Module):
             self.store.discard()
             self._staged = None
         self.store.reset()
-        weight = self.host[:, 0]
+        weight = self._table("weight")
         init(weight) if init is not None else weight.normal_()
-        for k, key in enumerate(self.state_keys):
-            self.host[:, 1 + k].fill_(self._fills[key])
+        self._fill_state()
 
     def flush(self) -> None:
         """Write every cached row to the host table (complete afterwards; waits for the GPU)."""
@@ -197,7 +216,7 @@ class _HostRowsModule(nn.Module):
     def weight(self) -> Tensor:
         """The full table (a view of the host table; flushed first)."""
         self.flush()
-        return self.host[:, 0]
+        return self._table("weight")
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
@@ -211,10 +230,10 @@ class _HostRowsModule(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         self.flush()
-        destination[prefix + "weight"] = self.host[:, 0]
+        destination[prefix + "weight"] = self._table("weight")
         state = self.optimizer.state[self._rows]
-        for k, key in enumerate(self.state_keys):
-            destination[f"{prefix}optimizer.{key}"] = self.host[:, 1 + k]
+        for key in self.state_keys:
+            destination[f"{prefix}optimizer.{key}"] = self._table(key)
         for key, value in state.items():
             if key not in self.state_keys:
                 destination[f"{prefix}optimizer.{key}"] = value.detach().clone() if isinstance(
@@ -223,9 +242,8 @@ class _HostRowsModule(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         state = self.optimizer.state[self._rows]
-        tables = {"weight": self.host[:, 0]}
-        tables.update({f"optimizer.{key}": self.host[:, 1 + k]
-                       for k, key in enumerate(self.state_keys)})
+        tables = {"weight": self._table("weight")}
+        tables.update({f"optimizer.{key}": self._table(key) for key in self.state_keys})
         scalars = [key for key in state if key not in self.state_keys]
         expected = list(tables) + [f"optimizer.{key}" for key in scalars]
         for name in expected:

@@ -280,6 +280,10 @@ class _OptimizerSwitcher(_Switcher):
                 else variable_name)
         self._param = model.get_submodule(path).weight
         group, self.optimizerKey = optim_state.find_group(given_optimizer, self._param)
+        if optim_state.row_state_keys(given_optimizer):
+            raise ValueError(f"given_optimizer: {type(given_optimizer).__name__} keeps one value "
+                             "per row; the factories keep per-element state tables. Use it "
+                             "with speedtorch_ops.HostEmbedding")
         self._fills, scalars = optim_state.state_layout(given_optimizer, group)
         optim_state.init_state(given_optimizer, self._param, group, self._fills, scalars)
         self.optVarList = list(self._fills)

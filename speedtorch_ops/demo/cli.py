@@ -66,15 +66,19 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be at least 1")
-    if a.fused and a.optimizer == "rmsprop":
-        p.error("--fused: torch has no fused RMSprop")
+    if a.fused and a.optimizer in ("rmsprop", "rowwise-adagrad"):
+        p.error(f"--fused: there is no fused {a.optimizer}")
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
 
     if a.engine == "auto":
-        a.engine = "module" if device.type == "cuda" else "factories"
+        a.engine = "module" if device.type == "cuda" or a.optimizer == "rowwise-adagrad" \
+            else "factories"
+    if a.engine == "factories" and a.optimizer == "rowwise-adagrad":
+        p.error("--optimizer rowwise-adagrad: the factories keep per-element state; use "
+                "--engine module")
     corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     table_mb = a.vocab * a.dim * 4 / 2**20
     if a.gpu_budget_mb is not None and device.type == "cuda":

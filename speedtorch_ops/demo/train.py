@@ -20,6 +20,8 @@ OPTIMIZERS = {  # name -> (lr, fused) -> (optimizer class, its keyword arguments
     "adagrad": lambda lr, fused: (torch.optim.Adagrad, dict(lr=lr * 10, fused=fused)),
     "rmsprop": lambda lr, fused: (torch.optim.RMSprop, dict(lr=lr / 5)),  # no fused version
     "sgd": lambda lr, fused: (torch.optim.SGD, dict(lr=lr * 100, momentum=0.9, fused=fused)),
+    # One accumulator per row: a third of Adam's bytes per row (module engine only).
+    "rowwise-adagrad": lambda lr, fused: (so.RowWiseAdagrad, dict(lr=lr * 10)),
 }
 
 

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from ..modules import HostEmbedding, HostEmbeddingBag
 from ..training.placement import upload
+from ..training import optim_state
 from ..training.plan import host_ids
 from . import checkpoint
 from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_route_group,
@@ -63,6 +64,12 @@ class _ShardedRows(nn.Module):
         if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
                 or not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
+        if optim_state.row_state_keys(optimizer):
+            # Its state is packed beside the weight; the exchange and the checkpoints move
+            # whole parts (one per name).
+            raise ValueError(f"optimizer: {getattr(optimizer, '__name__', optimizer)} keeps one "
+                             "value per row, which the sharded modules do not support yet; use "
+                             "it with speedtorch_ops.HostEmbedding")
         self.group = group
         self.rank = dist.get_rank(group)
         if self.rank < 0:

@@ -12,7 +12,8 @@ from conftest import HAS_CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 OPTIMIZERS = [(torch.optim.Adam, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-              (torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01})]
+              (torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01}),
+              (so.RowWiseAdagrad, {"lr": 0.1})]  # its accumulator packed beside the weight
 
 
 def check_map(store: CachedRows) -> None:
