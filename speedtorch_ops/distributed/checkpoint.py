@@ -4,8 +4,9 @@ as one state_dict for the single-process ``HostEmbedding`` (``full_state_dict``)
 
 Layout of ``directory``:
     meta.json                   sizes, dtype, world size, partition, optimizer and its settings
-    shard-00000-of-00002.pt     {"rows": (local_rows, 1 + states, dim), "parts": names of the
-                                 row parts, "scalars": {name: tensor}}
+    shard-00000-of-00002.pt     {"rows": (local_rows, parts, width), "parts": where each
+                                 state_dict entry sits in a row ([name, part, start, stop],
+                                 stop None for one column), "scalars": {name: tensor}}
 Row ``id`` of a checkpoint saved at world ``W`` is row ``id // W`` of file ``id % W``.
 """
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import optim
+
 FORMAT = 1
 META = "meta.json"
 
@@ -29,11 +32,31 @@ def shard_file(directory: str, rank: int, world: int) -> str:
 
 
 def split_state(shard) -> tuple:
-    """(the names of the row parts of `shard`'s host table, in their order; the optimizer's
-    scalars as state_dict entries) of a single-process module."""
-    names = ["weight"] + [f"optimizer.{key}" for key in shard.state_keys]
+    """(where each per-row state_dict entry of the single-process module `shard` sits in its
+    host table's rows: [name, part, start, stop], stop None for one column; the optimizer's
+    scalars as state_dict entries)."""
+    places = []
+    for key, (part, cols) in shard.layout.at.items():
+        name = key if key == "weight" else f"optimizer.{key}"
+        places.append([name, part, cols.start, cols.stop] if isinstance(cols, slice)
+                      else [name, part, cols, None])
+    names = {place[0] for place in places}
     scalars = {k: v.clone() for k, v in shard.state_dict().items() if k not in names}
-    return names, scalars
+    return places, scalars
+
+
+def _places(parts, width: int) -> list:
+    """A file's "parts" as places; files written before rows could pack per-row state list
+    names only, one part each."""
+    return [[p, k, 0, width] if isinstance(p, str) else list(p) for k, p in enumerate(parts)]
+
+
+def row_views(rows: Tensor, parts) -> dict:
+    """The state_dict entries (views) of `rows` (n, parts, width) laid out as `parts`."""
+    out = {}
+    for name, part, start, stop in _places(parts, rows.shape[2]):
+        out[name] = rows[:, part, start:stop] if stop is not None else rows[:, part, start]
+    return out
 
 
 def _json_settings(group: dict) -> dict:
@@ -56,8 +79,8 @@ def _json_settings(group: dict) -> dict:
 
 def save(module, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
-    names, scalars = split_state(module.shard)
-    payload = {"rows": module._local_table(), "parts": names, "scalars": scalars}
+    places, scalars = split_state(module.shard)
+    payload = {"rows": module._local_table(), "parts": places, "scalars": scalars}
     path = shard_file(directory, module.rank, module.world)
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)  # a reader never sees half a file
@@ -107,8 +130,8 @@ def _optimizer_kwargs(optimizer, saved: dict) -> dict:
 
 
 def rows_of(directory: str, meta: dict, ids: Tensor) -> tuple:
-    """(rows (len(ids), 1 + states, dim) of the global `ids`, the part names, the scalars) read
-    from the shard files of a checkpoint."""
+    """(rows (len(ids), parts, width) of the global `ids`, where the entries sit in them, the
+    scalars) read from the shard files of a checkpoint."""
     world = meta["world_size"]
     first = _open_shard(directory, 0, world)
     parts, scalars = first["parts"], first["scalars"]
@@ -130,7 +153,7 @@ def full_state_dict(directory: str) -> dict:
         emb.load_state_dict(full_state_dict(directory))"""
     meta = read_meta(directory)
     rows, parts, scalars = rows_of(directory, meta, torch.arange(meta["num_embeddings"]))
-    out = {name: rows[:, k] for k, name in enumerate(parts)}
+    out = row_views(rows, parts)
     out.update(scalars)
     return out
 
@@ -139,7 +162,8 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
          kwargs: dict):
     meta = read_meta(directory)
     if optimizer is None:
-        optimizer = getattr(torch.optim, meta["optimizer"])
+        optimizer = getattr(torch.optim, meta["optimizer"], None) or getattr(
+            optim, meta["optimizer"])
     elif getattr(optimizer, "__name__", None) != meta["optimizer"]:
         raise ValueError(f"optimizer: the checkpoint holds {meta['optimizer']}'s state, got "
                          f"{optimizer!r}")
@@ -152,12 +176,13 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
                  optimizer_kwargs=optimizer_kwargs, group=group, **kwargs)
     ids = torch.arange(module.rank, module.num_embeddings, module.world)
     rows, parts, scalars = rows_of(directory, meta, ids)
-    names, _ = split_state(module.shard)
-    if parts != names:
-        raise ValueError(f"optimizer: the checkpoint's rows hold {parts}, this optimizer "
-                         f"keeps {names} (settings such as amsgrad or momentum differ)")
+    places, _ = split_state(module.shard)
+    if _places(parts, rows.shape[2]) != places:
+        raise ValueError(f"optimizer: the checkpoint's rows hold {[p[0] for p in parts]}, this "
+                         f"optimizer keeps {[p[0] for p in places]} (settings such as amsgrad or "
+                         "momentum differ)")
     padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])  # the shard's padding row
-    state = {name: padded[:, k] for k, name in enumerate(parts)}
+    state = row_views(padded, parts)
     state.update(scalars)
     module.shard.load_state_dict(state)
     module.steps = meta["steps"]

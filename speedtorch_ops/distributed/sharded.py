@@ -40,7 +40,6 @@ from torch import Tensor, nn
 
 from ..modules import HostEmbedding, HostEmbeddingBag
 from ..training.placement import upload
-from ..training import optim_state
 from ..training.plan import host_ids
 from . import checkpoint
 from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_route_group,
@@ -64,12 +63,6 @@ class _ShardedRows(nn.Module):
         if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
                 or not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
-        if optim_state.row_state_keys(optimizer):
-            # Its state is packed beside the weight; the exchange and the checkpoints move
-            # whole parts (one per name).
-            raise ValueError(f"optimizer: {getattr(optimizer, '__name__', optimizer)} keeps one "
-                             "value per row, which the sharded modules do not support yet; use "
-                             "it with speedtorch_ops.HostEmbedding")
         self.group = group
         self.rank = dist.get_rank(group)
         if self.rank < 0:
@@ -178,14 +171,15 @@ class _ShardedRows(nn.Module):
         self.shard.reset_parameters(init)
 
     def _local_table(self) -> Tensor:
-        """This rank's rows (local_rows, 1 + states, dim), weight and state side by side."""
+        """This rank's rows (local_rows, parts, width): weight and state side by side, laid out
+        as ``self.shard.layout`` says."""
         self.shard.flush()
         return self.shard.host[: self.local_rows]
 
     def gather_weight(self) -> Tensor:
         """Collective: the full table (num_embeddings, dim) on every rank, on the host."""
         self._check_idle("gather_weight")
-        local = self._local_table()[:, 0]
+        local = self.shard.layout.of_table(self._local_table(), "weight")
         return gather_cyclic(local, self.num_embeddings, self.group, self.comm_device)
 
     def gather_state_dict(self) -> dict:
@@ -195,8 +189,8 @@ class _ShardedRows(nn.Module):
         self._check_idle("gather_state_dict")
         full = gather_cyclic(self._local_table(), self.num_embeddings, self.group,
                              self.comm_device)
-        names, scalars = checkpoint.split_state(self.shard)
-        out = {name: full[:, k] for k, name in enumerate(names)}
+        places, scalars = checkpoint.split_state(self.shard)
+        out = checkpoint.row_views(full, places)
         out.update(scalars)
         return out
 

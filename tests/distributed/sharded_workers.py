@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from speedtorch_ops import HostEmbedding, HostEmbeddingBag
+from speedtorch_ops import HostEmbedding, HostEmbeddingBag, RowWiseAdagrad
 from speedtorch_ops.distributed import (ShardedHostEmbedding, ShardedHostEmbeddingBag,
                                         full_state_dict)
 
@@ -18,6 +18,8 @@ OPTIMIZERS = {
     "AdamW-amsgrad": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True}),
     "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),
     "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    # Its accumulator is packed beside the weight in a row (one part per row, not 1 + states).
+    "RowWiseAdagrad": (RowWiseAdagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),
 }
 F64 = torch.float64
 
@@ -117,6 +119,24 @@ def bag_like_one_process(rank, world, device, seed, directory):
     with pytest.raises(RuntimeError, match="no forward"):
         two.step()
     assert torch.equal(out.cpu(), two.gather_weight()[b])
+    # A packed row layout (RowWiseAdagrad) saved and loaded: sharded and single-process.
+    cls, kwargs = OPTIMIZERS["RowWiseAdagrad"]
+    packed = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+                                                  device=device)
+    ref = HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+                                        device="cpu")
+    batches = [batch(seed, 7, r, world) for r in range(world)]
+    loss_of(packed(batches[rank][0].to(device)), batches[rank][1].to(device)).backward()
+    packed.step()
+    reference_step(ref, batches)
+    packed.save(directory + "-packed")
+    loaded = ShardedHostEmbedding.load(directory + "-packed", device=device)
+    assert type(loaded.optimizer) is cls
+    assert_same_state(loaded, ref, f"packed rows loaded, world {world} seed {seed}")
+    single = HostEmbedding(ROWS, DIM, dtype=F64, optimizer=cls, optimizer_kwargs=kwargs)
+    single.load_state_dict(full_state_dict(directory + "-packed"))
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(single.state_dict()[key], value, rtol=1e-10, atol=1e-12), key
     with pytest.raises(ValueError, match="grad_scale"):
         ShardedHostEmbedding(ROWS, DIM, grad_scale=float("nan"))
     with pytest.raises(ValueError, match="num_embeddings"):

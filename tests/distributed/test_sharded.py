@@ -66,3 +66,24 @@ def test_checkpoint_at_other_world_sizes(backend, seed, tmp_path):
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ShardedHostEmbedding(10, 4)
+
+
+def test_reads_checkpoints_that_list_part_names(tmp_path):
+    """Shard files written before rows could pack per-row state list one name per part; they
+    still load (full_state_dict), with the world size's interleaving undone."""
+    import json
+
+    import torch
+    from speedtorch_ops.distributed import full_state_dict
+    table = torch.randn(5, 3, 4, dtype=torch.float64)  # 5 rows; weight, exp_avg, exp_avg_sq
+    names = ["weight", "optimizer.exp_avg", "optimizer.exp_avg_sq"]
+    for rank in range(2):
+        torch.save({"rows": table[rank::2].clone(), "parts": names,
+                    "scalars": {"optimizer.step": torch.tensor(3.0)}},
+                   tmp_path / f"shard-{rank:05d}-of-00002.pt")
+    (tmp_path / "meta.json").write_text(json.dumps(
+        {"format": 1, "partition": "cyclic", "world_size": 2, "num_embeddings": 5}))
+    sd = full_state_dict(str(tmp_path))
+    for k, name in enumerate(names):
+        assert torch.equal(sd[name], table[:, k]), name
+    assert float(sd["optimizer.step"]) == 3.0

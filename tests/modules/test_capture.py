@@ -120,3 +120,21 @@ def test_captured_step_needs_a_gpu_or_a_warmup():
     else:
         with pytest.raises(ValueError, match="warmup must be at least 1"):
             so.CapturedStep(lambda ids: ids, rows=(4,), warmup=0)
+
+
+def test_plans_of_device_ids_check_or_trust_them():
+    """Plan.on_device (the modules' plan for ids already on their GPU; built here on the CPU,
+    the same code): "raise" finds the first bad id, "prechecked" leaves the ids to the caller."""
+    from speedtorch_ops.training.plan import Plan
+    ids = torch.tensor([[3, 0], [9, 12]])
+    with pytest.raises(RuntimeError, match=r"ids\[3\] = 12 is out of range for a table of 10"):
+        Plan.on_device(ids).check(10)
+    Plan.on_device(ids, "prechecked").check(10)  # trusted: no error
+    Plan.on_device(ids).check(13)
+    assert len(Plan.on_device(ids)) == 4
+    with pytest.raises(TypeError, match="ids must be integers"):
+        Plan.on_device(ids.float())
+    with pytest.raises(ValueError, match="bounds_check must be"):
+        Plan.on_device(ids, "later")
+    with pytest.raises(ValueError, match="bounds_check must be 'raise' or 'prechecked'"):
+        so.HostEmbedding(10, 4, bounds_check="later")

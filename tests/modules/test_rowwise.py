@@ -1,8 +1,8 @@
 """RowWiseAdagrad (one accumulator per row) against an independent float64 formula, on a plain
 tensor and through HostEmbedding, whose host rows pack the accumulator beside the weight: the
 module equals nn.Embedding trained on the full table with the same optimizer (dense gradients:
-untouched rows do not change), state_dict round trips resume exactly, and the factories and the
-sharded modules refuse it with a clear error."""
+untouched rows do not change), state_dict round trips resume exactly, and the factories refuse it with a clear error (the sharded
+modules' tests cover it in tests/distributed)."""
 
 import pytest
 import torch
@@ -119,16 +119,3 @@ def test_factories_refuse_it():
     with pytest.raises(ValueError, match="given_optimizer: RowWiseAdagrad keeps one value per row"):
         so.OptimizerFactory(opt, 10, 3, model, "emb", CPUPinn=False)
 
-
-def test_sharded_modules_refuse_it(tmp_path):
-    import torch.distributed as dist
-    from speedtorch_ops.distributed import ShardedHostEmbedding
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        with pytest.raises(ValueError, match="optimizer: RowWiseAdagrad keeps one value per row"):
-            ShardedHostEmbedding(10, 4, optimizer=so.RowWiseAdagrad, device="cpu")
-    finally:
-        dist.destroy_process_group()
