@@ -39,7 +39,8 @@ from .training.plan import host_ids, out_of_range
 class CapturedStep:
     """``step(*ids)`` (device id tensors in, tensors out) captured in a CUDA graph; see the
     module docstring. ``rows[k]``: the number of rows the ``k``-th ids index (checked on the
-    host: a bad id raises before anything is copied or run)."""
+    host: a bad id raises before anything is copied or run); it must not exceed the table's
+    size, as the modules trust these ids (``bounds_check="prechecked"``)."""
 
     def __init__(self, step: Callable, rows: Sequence[int], device=None, warmup: int = 3):
         if not torch.cuda.is_available():
@@ -88,6 +89,10 @@ class CapturedStep:
         return into.copy_(staging, non_blocking=True)
 
     def __call__(self, *ids):
+        with torch.cuda.device(self.device):
+            return self._call(ids)
+
+    def _call(self, ids):
         host = self._checked(ids)
         self.calls += 1
         if self.calls <= self.warmup:

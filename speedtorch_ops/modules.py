@@ -112,7 +112,9 @@ class _HostRowsModule(nn.Module):
 
     def set_cache_bytes(self, cache_bytes: int) -> None:
         """Change the GPU row cache's budget (0: no cache). The cached rows are written back
-        first (this waits for the GPU); the new cache starts empty, its frequencies from zero."""
+        first (this waits for the GPU); the new cache starts empty, its frequencies from zero.
+        The old cache's memory is freed: a ``CapturedStep`` that captured this module must not
+        replay afterwards (make a new one)."""
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         if self._staged is not None:
@@ -185,11 +187,23 @@ class _HostRowsModule(nn.Module):
                                "with grad enabled) since the last step")
         if self._rows.grad is not None and isinstance(self.optimizer, torch.optim.SparseAdam):
             self._rows.grad = self._rows.grad.to_sparse(1)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._check_capturable()
         self.optimizer.step()
         self._rows.grad = None
         self._staged = None
         self.store.commit()
         self.steps += 1
+
+    def _check_capturable(self) -> None:
+        """A captured step replays GPU work only: state the optimizer keeps on the CPU (a step
+        count) would change at the capture and never again."""
+        state = self.optimizer.state[self._rows]
+        on_host = [k for k, v in state.items() if isinstance(v, Tensor) and v.device.type == "cpu"]
+        if on_host:
+            raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} keeps {on_host} on "
+                               "the CPU, which a CUDA graph cannot update; build it with "
+                               "capturable=True or fused=True (where it has them)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the rows' gradients live per step
         self._rows.grad = None
@@ -273,8 +287,10 @@ class _HostRowsModule(nn.Module):
             if f"{prefix}optimizer.{key}" in state_dict:
                 value = state_dict[f"{prefix}optimizer.{key}"]
                 old = state[key]
-                state[key] = value.to(old.device, old.dtype).clone() if isinstance(
-                    old, Tensor) else type(old)(value.item())
+                if isinstance(old, Tensor):  # in place: a captured step holds this tensor
+                    old.copy_(value.to(old.device, old.dtype))
+                else:
+                    state[key] = type(old)(value.item())
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, "

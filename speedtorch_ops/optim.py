@@ -12,6 +12,10 @@ g_rj, D of them):
 With ``weight_decay`` the gradient is first g_r + weight_decay * w_r (L2, as torch's Adagrad).
 Rows whose gradient is zero do not change (without weight decay), so on a full table it equals
 the lazy rule of ``HostEmbedding``. Any tensor works: its first dimension is the row.
+
+The accumulator has the parameter's dtype (in HostEmbedding it sits in the row): with fp16 or
+bf16 tables it stops growing once its increments round away (FBGEMM keeps it in fp32), so
+prefer fp32 tables with this optimizer.
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # checked first: a refused step changes nothing
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("RowWiseAdagrad takes dense gradients (HostEmbedding "
+                                       "gives them); for nn.Embedding use sparse=False")
+                if p.grad is not None and p.dim() == 0:
+                    raise ValueError("RowWiseAdagrad needs parameters with rows (at least 1-D)")
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("RowWiseAdagrad takes dense gradients (HostEmbedding "
-                                       "gives them); for nn.Embedding use sparse=False")
-                if p.dim() == 0:
-                    raise ValueError("RowWiseAdagrad needs parameters with rows (at least 1-D)")
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.full((p.shape[0],), group["initial_accumulator_value"],

@@ -163,7 +163,10 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
     meta = read_meta(directory)
     if optimizer is None:
         optimizer = getattr(torch.optim, meta["optimizer"], None) or getattr(
-            optim, meta["optimizer"])
+            optim, meta["optimizer"], None)
+        if optimizer is None:
+            raise ValueError(f"optimizer: the checkpoint names {meta['optimizer']!r}, found "
+                             "neither in torch.optim nor in speedtorch_ops.optim; pass the class")
     elif getattr(optimizer, "__name__", None) != meta["optimizer"]:
         raise ValueError(f"optimizer: the checkpoint holds {meta['optimizer']}'s state, got "
                          f"{optimizer!r}")
@@ -177,8 +180,9 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
     ids = torch.arange(module.rank, module.num_embeddings, module.world)
     rows, parts, scalars = rows_of(directory, meta, ids)
     places, _ = split_state(module.shard)
-    if _places(parts, rows.shape[2]) != places:
-        raise ValueError(f"optimizer: the checkpoint's rows hold {[p[0] for p in parts]}, this "
+    saved = _places(parts, rows.shape[2])
+    if saved != places:
+        raise ValueError(f"optimizer: the checkpoint's rows hold {[p[0] for p in saved]}, this "
                          f"optimizer keeps {[p[0] for p in places]} (settings such as amsgrad or "
                          "momentum differ)")
     padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])  # the shard's padding row

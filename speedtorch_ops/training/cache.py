@@ -108,7 +108,10 @@ class HostRows:
         self._staged = None
 
     def flush(self) -> None:
-        """Make the host table complete (nothing to do: it always is between steps)."""
+        """Make the host table complete: it is once the queued write-backs ran (waits for the
+        GPU)."""
+        if self.device.type == "cuda":  # the host reads the table next
+            torch.cuda.current_stream(self.device).synchronize()
 
     def cached_bytes(self) -> int:
         return 0

@@ -138,3 +138,22 @@ def test_plans_of_device_ids_check_or_trust_them():
         Plan.on_device(ids, "later")
     with pytest.raises(ValueError, match="bounds_check must be 'raise' or 'prechecked'"):
         so.HostEmbedding(10, 4, bounds_check="later")
+
+
+@cuda_only
+def test_capture_refuses_optimizer_state_on_the_cpu(gen):
+    """torch's Adagrad (not fused) counts its steps on the CPU: a graph would freeze the count,
+    so the capture fails naming the optimizer."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    emb = so.HostEmbedding.from_pretrained(init, optimizer=torch.optim.Adagrad,
+                                           device="cuda", bounds_check="prechecked")
+
+    def train_step(ids):
+        emb(ids).pow(2).sum().backward()
+        emb.step()
+
+    captured = so.CapturedStep(train_step, rows=(ROWS,), warmup=1)
+    ids = torch.randint(0, ROWS, (6,), generator=gen)
+    captured(ids)
+    with pytest.raises(RuntimeError, match=r"optimizer: Adagrad keeps \['step'\] on the CPU"):
+        captured(ids)

@@ -52,6 +52,13 @@ def test_optimizer_names_bad_arguments():
     p.grad = torch.ones(())
     with pytest.raises(ValueError, match="at least 1-D"):
         so.RowWiseAdagrad([p]).step()
+    dense = torch.ones(3, 2, requires_grad=True)
+    dense.grad = torch.ones(3, 2)
+    sparse = torch.ones(3, 2, requires_grad=True)
+    sparse.grad = torch.ones(3, 2).to_sparse()
+    with pytest.raises(RuntimeError, match="dense gradients"):
+        so.RowWiseAdagrad([dense, sparse]).step()
+    assert torch.equal(dense.detach(), torch.ones(3, 2))  # a refused step changes nothing
 
 
 @pytest.mark.parametrize("device", DEVICES)
