@@ -33,7 +33,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .training.plan import host_ids, out_of_range
+from .training.placement import upload
+from .training.plan import Plan, host_ids
 
 
 class CapturedStep:
@@ -70,23 +71,9 @@ class CapturedStep:
             if self._inputs is not None and shape != tuple(self._inputs[k].shape):
                 raise ValueError(f"ids[{k}] has shape {shape}, but the step was captured with "
                                  f"{tuple(self._inputs[k].shape)}; a graph replays fixed shapes")
-            if flat.numel():
-                values = flat.numpy()
-                low, high = int(values.min()), int(values.max())
-                if low < 0 or high >= rows:
-                    bad = int(((values < 0) | (values >= rows)).nonzero()[0][0])
-                    raise out_of_range(f"ids[{k}]", bad, int(values[bad]), rows)
+            Plan(flat, "cpu").check(rows, f"ids[{k}]")
             out.append(flat.view(shape))
         return out
-
-    def _upload(self, values: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        staging = torch.empty(values.shape, dtype=torch.int64, pin_memory=True)
-        np.copyto(staging.numpy(), values.numpy())
-        if into is None:
-            return staging.to(self.device, non_blocking=True)
-        # The pinned staging buffer is not reused before this copy ran (torch's host
-        # allocator records the copy's stream).
-        return into.copy_(staging, non_blocking=True)
 
     def __call__(self, *ids):
         with torch.cuda.device(self.device):
@@ -99,17 +86,17 @@ class CapturedStep:
             current = torch.cuda.current_stream(self.device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                result = self.step(*[self._upload(h) for h in host])
+                result = self.step(*[upload(h, self.device) for h in host])
             current.wait_stream(self._side)
             return result
         if self.graph is None:
-            self._inputs = [self._upload(h) for h in host]
+            self._inputs = [upload(h, self.device) for h in host]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._outputs = self.step(*self._inputs)
             self.graph = graph  # only a capture that finished is replayed
         else:
             for h, into in zip(host, self._inputs):
-                self._upload(h, into)
+                upload(h, self.device, out=into)
         self.graph.replay()
         return self._outputs

@@ -4,7 +4,7 @@ dtype names as SpeedTorch accepted them; uploads of ids that do not wait for the
 from __future__ import annotations
 
 import os
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -67,16 +67,20 @@ def next_free_name(stem: str, suffix: str) -> str:
     return f"{stem}{n}{suffix}"
 
 
-def upload(values: Tensor, device: torch.device) -> Tensor:
-    """A CPU tensor on `device`, queued on the current stream. Through pinned memory: a copy
-    from pageable memory would wait for the whole stream."""
+def upload(values: Tensor, device: torch.device, out: Optional[Tensor] = None) -> Tensor:
+    """A CPU tensor on `device` (or copied into `out` there), queued on the current stream.
+    Through pinned memory: a copy from pageable memory would wait for the whole stream."""
     if device.type == "cpu":
-        return values
+        return values if out is None else out.copy_(values)
     staging = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
     # NumPy copies on this thread: torch's CPU copy wakes its thread pool, which cost about a
     # millisecond per upload while the GPU streams were busy.
     np.copyto(staging.numpy(), values.numpy())
-    return staging.to(device, non_blocking=True)
+    if out is None:
+        return staging.to(device, non_blocking=True)
+    # The staging buffer is not reused before the copy ran (torch's pinned allocator records
+    # the copy's stream).
+    return out.copy_(staging, non_blocking=True)
 
 
 def check_loaded(name: str, loaded_shape, loaded_dtype, shape, dtype: torch.dtype) -> None:
