@@ -56,19 +56,25 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
 
 def run_budget(a, run, batches, device, budget_mb, mode="graph"):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
-    mode "graph": each step one CUDA graph replay, "eager": launched op by op."""
+    mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
+    each step prefetching the next batch's rows (HostEmbedding.prefetch)."""
     run.set_cache_mb(budget_mb)
     run.graphed = mode == "graph"
+    run.prefetching = mode == "prefetch"
+
+    def step(i):
+        run.step(batches[i % len(batches)], batches[(i + 1) % len(batches)])
+
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     for i in range(a.warmup):
-        run.step(batches[i % len(batches)])
+        step(i)
     torch.cuda.synchronize()
     stats0 = [emb.cache_stats() for emb in (run.u, run.v)]
     start = time.perf_counter()
     for i in range(a.steps):
-        run.step(batches[(a.warmup + i) % len(batches)])
+        step(a.warmup + i)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     stats1 = [emb.cache_stats() for emb in (run.u, run.v)]
@@ -76,7 +82,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph"):
     for i in range(10):  # host time to queue one step, the GPU idle
         torch.cuda.synchronize()
         t = time.perf_counter()
-        run.step(batches[i % len(batches)])
+        step(i)
         host.append(time.perf_counter() - t)
     torch.cuda.synchronize()
     lookups = sum(s1["lookups"] - s0["lookups"] for s0, s1 in zip(stats0, stats1))
@@ -121,9 +127,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fused", action="store_true")
     p.add_argument("--budgets", type=float, nargs="+", default=[0, 300, 600, 1200, 2400])
-    p.add_argument("--modes", nargs="+", choices=["graph", "eager"], default=["graph", "eager"],
+    p.add_argument("--modes", nargs="+", choices=["graph", "eager", "prefetch"],
+                   default=["graph", "eager", "prefetch"],
                    help="graph: the step captured in a CUDA graph (speedtorch_ops.CapturedStep); "
-                        "eager: launched op by op")
+                        "eager: launched op by op; prefetch: eager, the next batch's rows "
+                        "loading on a side stream during each step (HostEmbedding.prefetch)")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")

@@ -120,6 +120,7 @@ class _HostRowsModule(nn.Module):
         if self._staged is not None:
             raise RuntimeError("set_cache_bytes between steps only (a forward is staged)")
         store = self._make_store(cache_bytes)  # raises before anything changes
+        self.store.drop_prefetch()
         self.store.flush()
         self.store = store
 
@@ -169,7 +170,11 @@ class _HostRowsModule(nn.Module):
             # be captured in a CUDA graph (with bounds_check="prechecked").
             flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else \
                 tensors[0].reshape(-1)
-            return Plan.on_device(flat, self.bounds_check)
+            plan = Plan.on_device(flat, self.bounds_check)
+            # A prefetch of these very tensors, unmodified since, matches them (no wait).
+            plan.source = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version)
+                                for t in tensors)
+            return plan
         if len(tensors) == 1:
             flat = tensors[0].reshape(-1)
         elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
@@ -178,6 +183,18 @@ class _HostRowsModule(nn.Module):
         else:
             flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
         return Plan(flat, self.device)
+
+    def prefetch(self, ids, *more_ids) -> None:
+        """Start loading the rows of the next step's ids (the id tensors its forward will take,
+        the same values) while this step computes: call it after this step's forward, before
+        its backward. On a GPU the rows travel on a side stream, overlapping this step's
+        backward, update and commit; the next forward of the same ids uses them and loads only
+        what this step's commit changed (rows of this step that it wrote back, rows it evicted).
+        A forward of other ids drops the prefetch (nothing wrong happens: its bytes are wasted).
+        Ids are checked here: a bad id raises and nothing is loaded. Device ids match the next
+        forward's when they are the same tensors, unmodified. Not inside a CUDA graph capture."""
+        tensors = [torch.as_tensor(i) for i in (ids, *more_ids)]
+        self.store.prefetch(self._plan(tensors))
 
     def step(self) -> None:
         """Update the rows the last forward touched (and their optimizer state) with their
@@ -234,11 +251,16 @@ class _HostRowsModule(nn.Module):
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
-        cache hits, rows loaded from the host, rows evicted to the host, misses written straight
-        back; the hit rate; bytes moved over the host link."""
-        lookups, hits, loads, evictions, direct = (int(x) for x in self.store.stats.tolist())
+        cache hits, rows loaded from the host (of which loaded ahead by ``prefetch``), rows
+        evicted to the host, misses written straight back, rows a prefetched step copied on the
+        device from the step before it (lookups = hits + host loads + those); the hit rate;
+        bytes moved over the host link (prefetches a forward of other ids dropped are not
+        counted)."""
+        lookups, hits, loads, evictions, direct, ahead, reused = (int(x) for x in
+                                                                  self.store.stats.tolist())
         return {"lookups": lookups, "hits": hits, "host_loads": loads, "evictions": evictions,
-                "direct_writebacks": direct, "hit_rate": hits / lookups if lookups else 0.0,
+                "direct_writebacks": direct, "prefetched_loads": ahead, "reused_rows": reused,
+                "hit_rate": hits / lookups if lookups else 0.0,
                 "host_bytes": self.host[0].nbytes * (loads + evictions + direct),
                 "cache_bytes": self.store.cached_bytes()}
 

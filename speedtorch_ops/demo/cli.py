@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", choices=["on", "off"], default="off",
                    help="module engine on a GPU: capture the whole step once in a CUDA graph and "
                         "replay it (speedtorch_ops.CapturedStep)")
+    p.add_argument("--prefetch", choices=["on", "off"], default="off",
+                   help="module engine, eager steps: load the next batch's rows (those the "
+                        "caches miss) on a side stream while the current batch trains "
+                        "(HostEmbedding.prefetch)")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
                    default="auto",
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "

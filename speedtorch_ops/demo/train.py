@@ -162,7 +162,8 @@ class ModuleTraining:
         self.steps_done = 0
         self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
         self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
-        self.prefetching = False
+        # A captured step replays GPU work only; the prefetch feeds the step after it.
+        self.prefetching = getattr(a, "prefetch", "off") == "on" and not self.graphed
 
     def cache_split(self, cache_mb: float) -> tuple:
         """(u's, v's) cache bytes: the budget split by ids per step (v sees a context and the
@@ -177,9 +178,12 @@ class ModuleTraining:
         for emb, share in zip((self.u, self.v), self.cache_split(cache_mb)):
             emb.set_cache_bytes(share)
 
-    def _train(self, labels, ctx, negs) -> Tensor:
+    def _train(self, labels, ctx, negs, following=None) -> Tensor:
         u = self.u(labels)
         vc, vn = self.v(ctx, negs)
+        if following is not None:  # loads while this step's backward and updates run
+            self.u.prefetch(following[0])
+            self.v.prefetch(following[1], following[2])
         loss = skipgram_loss(u, vc, vn)
         loss.backward()
         self.u.step()
@@ -189,7 +193,11 @@ class ModuleTraining:
     def step(self, batch, following=None) -> Tensor:
         self.steps_done += 1
         if not self.graphed:
-            return self._train(*(torch.from_numpy(x) for x in batch))
+            if not self.prefetching or following is None:
+                following = None
+            else:
+                following = [torch.from_numpy(x) for x in following]
+            return self._train(*(torch.from_numpy(x) for x in batch), following=following)
         if self._captured is None:
             self._captured = so.CapturedStep(self._train, rows=(self.vocab,) * 3,
                                              device=self.u.device)

@@ -18,6 +18,15 @@ The cache (``CachedRows``):
   nothing); the evicted row is written back to the host (every cached row has been trained, so
   every cached row is dirty). A miss that is not admitted is written back at commit.
 The map and the frequencies cost 8 bytes per table row (counted in the budget).
+
+Prefetch (both stores): ``prefetch(plan)`` loads the coming step's rows that the host table will
+still hold unchanged when that step stages them (rows neither cached now nor in the staged
+step, whose commit may write them back), on a side stream, so the transfer overlaps the
+current step's backward, update and commit. The next ``stage`` of the same ids takes them, copies
+the rows it shares with the step staged at the prefetch from that step's updated buffer (on the
+device) and loads only the rest (rows evicted since); a prefetch of other ids, or one that a
+commit or a rewrite of the host table has overtaken, is dropped (a waste of bytes, never a wrong
+row).
 """
 
 from __future__ import annotations
@@ -55,6 +64,30 @@ class Distinct:
         self.valid = self.positions < self.count
 
 
+def _find(ids: Tensor, of: "Distinct") -> tuple:
+    """(whether each of `ids` is one of the distinct ids of `of`, its position there): a binary
+    search on the device, no wait."""
+    if of.n == 0:
+        return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
+    key = torch.where(of.valid, of.ids, torch.iinfo(torch.int64).max)  # ascending
+    at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
+    return key[at] == ids, at
+
+
+class Prefetched:
+    """A coming step's rows loaded ahead: its plan, Distinct and buffer, which positions hold
+    their row (``loaded``), the event that marks the transfer done, and the number of commits
+    after which the rows are stale (``expires``: the host table changes at commits). ``staged``:
+    the (Distinct, buffer) of the step staged when the prefetch began; its updated rows are
+    copied on the device to the positions it shares with this one."""
+
+    def __init__(self, plan: Plan, d: "Distinct", buf: Tensor, loaded: Tensor, done,
+                 expires: int, staged: Optional[tuple], keep: tuple):
+        self.plan, self.d, self.buf, self.loaded = plan, d, buf, loaded
+        self.done, self.expires, self.staged = done, expires, staged
+        self.keep = keep  # the transfer's inputs, alive until the stream that uses buf waited
+
+
 class HostRows:
     """Every distinct row of a step read from and written back to the host table (rows, parts,
     *row): one transfer each way, each distinct row once, in address order."""
@@ -65,7 +98,12 @@ class HostRows:
         self.parts = host.shape[1]
         self.row_shape = tuple(host.shape[2:])
         self._staged: Optional[tuple] = None
-        self.stats = torch.zeros(5, dtype=torch.int64, device=self.device)
+        # lookups, hits, host loads, evictions, direct write-backs; of the loads, those a
+        # prefetch did; rows a prefetched step copied from the step before it on the device
+        self.stats = torch.zeros(7, dtype=torch.int64, device=self.device)
+        self._commits = 0
+        self._prefetched: Optional[Prefetched] = None
+        self._side = None  # the prefetch's stream, made on first use
 
     def _buffer(self, n: int) -> Tensor:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
@@ -78,19 +116,110 @@ class HostRows:
     def stage(self, plan: Plan) -> tuple:
         """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
         plan.check(self.host.shape[0])
-        d = Distinct(plan)
-        buf = self._buffer(d.n)
-        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
+        pre = self._take_prefetch(plan)
+        if pre is None:
+            d = Distinct(plan)
+            buf = self._buffer(d.n)
+            self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
+            self.stats[2] += d.count[0]
+        else:
+            d, buf = pre.d, pre.buf
+            self.stats[2] += self._complete(pre, d.valid)
         self.stats[0] += d.count[0]
-        self.stats[2] += d.count[0]
         self._staged = (d, buf)
         return buf, d
+
+    def _load(self, buf: Tensor, d: "Distinct", which: Tensor) -> None:
+        """Load the rows of the positions `which` of `d` into `buf` (ascending ids)."""
+        order = torch.argsort((~which).to(torch.int8), stable=True)
+        self._move(buf.unbind(0), d.ids[order], order, which.sum().view(1), load=True)
+
+    def _complete(self, pre: Prefetched, miss: Tensor) -> Tensor:
+        """Fill the positions `miss` (rows not cached) of a prefetched buffer that the prefetch
+        did not load: rows of the step staged at the prefetch from that step's buffer (on the
+        device: its updates are final), the rest (rows a commit wrote back since, e.g.
+        evicted) from the host."""
+        d, buf, need = pre.d, pre.buf, miss & ~pre.loaded
+        if pre.staged is not None:
+            old, old_buf = pre.staged
+            shared, at = _find(d.ids, old)
+            shared &= need
+            take = shared.view(d.n, *[1] * len(self.row_shape))
+            for part, rows in zip(old_buf, buf):
+                torch.where(take, part.index_select(0, at), rows, out=rows)
+            need &= ~shared
+            self.stats[6] += shared.sum()
+        self._load(buf, d, need)
+        self.stats[5] += (miss & pre.loaded).sum()
+        return need.sum() + (miss & pre.loaded).sum()  # rows over the host link
+
+    def _cached(self, ids: Tensor) -> Optional[Tensor]:
+        """Whether each row of `ids` is held on the device (None: this store holds none)."""
+        return None
+
+    def prefetch(self, plan: Plan) -> None:
+        """Start loading the rows of `plan`, the ids of a coming step, that the host table will
+        still hold unchanged when that step stages them (see the module docstring). On a GPU the
+        transfer runs on a side stream after the work queued so far; nothing waits."""
+        plan.check(self.host.shape[0])
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("prefetch cannot run inside a CUDA graph capture (the rows it "
+                               "loads feed the next step, outside the graph); prefetch eagerly")
+        self.drop_prefetch()
+        d = Distinct(plan)
+        buf = self._buffer(d.n)
+        want = d.valid.clone()
+        cached = self._cached(d.ids)
+        if cached is not None:
+            want &= ~cached
+        staged = self._staged[:2] if self._staged is not None else None
+        if staged is not None:  # rows it updates: copied from its buffer at stage
+            want &= ~_find(d.ids, staged[0])[0]
+        order = torch.argsort((~want).to(torch.int8), stable=True)
+        rows, count = d.ids[order], want.sum().view(1)
+        done = None
+        if self.device.type == "cuda":
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
+                self._move(buf.unbind(0), rows, order, count, load=True)
+                done = torch.cuda.Event()
+                done.record(self._side)
+        else:
+            self._move(buf.unbind(0), rows, order, count, load=True)
+        expires = self._commits + (1 if staged is not None else 0)
+        self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged,
+                                      (rows, order, count))
+
+    def _take_prefetch(self, plan: Plan) -> Optional[Prefetched]:
+        """The prefetch, if it loaded `plan`'s ids and nothing overtook it; the current stream
+        then waits for its transfer. Any other prefetch is dropped."""
+        pre = self._prefetched
+        if pre is None:
+            return None
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A graph cannot wait for an event recorded outside it: the prefetch stays (alive)
+            # and the next eager stage drops it, as this step's commit overtakes it.
+            return None
+        self.drop_prefetch()
+        if pre.expires != self._commits or not pre.plan.matches(plan):
+            return None
+        return pre
+
+    def drop_prefetch(self) -> None:
+        """Forget the prefetch; the current stream waits for its transfer first, so its buffers
+        return to the allocator only after the side stream is done with them."""
+        pre, self._prefetched = self._prefetched, None
+        if pre is not None and pre.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(pre.done)
 
     def commit(self) -> None:
         """Write the staged rows (updated in place) back."""
         d, buf = self._take()
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
         self.stats[4] += d.count[0]  # every staged row goes straight back
+        self._commits += 1
 
     def _take(self) -> tuple:
         if self._staged is None:
@@ -106,6 +235,7 @@ class HostRows:
     def reset(self) -> None:
         """The host table was rewritten: forget any device copy of its rows."""
         self._staged = None
+        self.drop_prefetch()
 
     def flush(self) -> None:
         """Make the host table complete: it is once the queued write-backs ran (waits for the
@@ -143,9 +273,13 @@ class CachedRows(HostRows):
     def cached_bytes(self) -> int:
         return (self.cache.nbytes + self.slot_of.nbytes + self.id_of.nbytes + self.freq.nbytes)
 
+    def _cached(self, ids: Tensor) -> Tensor:
+        return self.slot_of[ids] >= 0
+
     def stage(self, plan: Plan) -> tuple:
         plan.check(self.host.shape[0])
-        d = Distinct(plan)
+        pre = self._take_prefetch(plan)
+        d = Distinct(plan) if pre is None else pre.d
         n, scratch = d.n, self.slots
         slot = self.slot_of[d.ids].long()
         hit = d.valid & (slot >= 0)
@@ -153,15 +287,22 @@ class CachedRows(HostRows):
         self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
         # Hits from the cache (every other entry reads the scratch slot), misses from the host.
         at = torch.where(hit, slot, scratch)
-        buf = self._buffer(n)
-        for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
-            torch.index_select(part, 0, at, out=rows)
         order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
         misses = miss.sum().view(1)
-        self._move(buf.unbind(0), d.ids[order], order, misses, load=True)
+        if pre is None:
+            buf = self._buffer(n)
+            for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
+                torch.index_select(part, 0, at, out=rows)
+            self._move(buf.unbind(0), d.ids[order], order, misses, load=True)
+            self.stats[2] += misses[0]
+        else:  # the prefetched rows stay; hits come from the cache, the other misses now
+            buf = pre.buf
+            take = hit.view(n, *[1] * len(self.row_shape))
+            for part, rows in zip(self.cache, buf):
+                torch.where(take, part.index_select(0, at), rows, out=rows)
+            self.stats[2] += self._complete(pre, miss)
         self.stats[0] += d.count[0]
         self.stats[1] += hit.sum()
-        self.stats[2] += misses[0]
         self._staged = (d, buf, at, hit, order, misses)
         return buf, d
 
@@ -208,6 +349,7 @@ class CachedRows(HostRows):
                    load=False)
         self.stats[3] += evict.sum()
         self.stats[4] += rest.sum()
+        self._commits += 1
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         self._age += 1
         self.freq.mul_(torch.where(self._age % self.aging_steps == 0, 0.5, 1.0))

@@ -58,6 +58,7 @@ class Plan:
 
     def __init__(self, ids, device: torch.device):
         self.cpu = host_ids(ids)
+        self.source = None
         self.bounds_check = "raise"
         self.device = torch.device(device)
         self._index: Optional[Tensor] = None
@@ -74,6 +75,7 @@ class Plan:
         plan = cls.__new__(cls)
         plan.bounds_check = bounds_check
         plan.cpu = None
+        plan.source = None  # what the ids came from, for ``matches`` (set by the caller)
         plan.device = index.device
         plan._index = index.reshape(-1).to(torch.int64)
         plan._init_cache()
@@ -95,6 +97,16 @@ class Plan:
             return False
         x, y = self.cpu.numpy(), other.numpy()
         return bool((x[:8] == y[:8]).all()) and bool(np.array_equal(x, y))
+
+    def matches(self, other: "Plan") -> bool:
+        """Whether `other` holds these ids, decided without waiting for the GPU: host ids by
+        value; ids on a GPU only by where they came from (``source``, e.g. the same tensors,
+        unmodified), as their values would need a wait."""
+        if self.device != other.device:
+            return False
+        if self.cpu is not None and other.cpu is not None:
+            return other.same_ids(self.cpu)
+        return self.source is not None and self.source == other.source
 
     def check(self, rows: int, name: str = "ids") -> None:
         """Raise unless every id is in [0, rows). Host ids are checked on the host, where they
