@@ -5,7 +5,13 @@ in these very batches (an oracle that knows the future) and the rows most freque
 corpus (what a frequency-sorted warm start would hold). Only ids move (rows of one float), so
 the full 4 M-row vocabulary fits on a laptop; the policy is the same tensor code as on a GPU.
 
+With --prefetch, each step also prefetches the next batch (as HostEmbedding.prefetch does, after
+the forward and before the commit), with no cache and with the cache: of the rows that cross
+the host link per step, how many load ahead (off the step's critical path) and how many still
+load in the step; and how many the step copies from the previous step's buffer instead.
+
     python3 bench/cache_policy.py --slots 681338 --steps 190 600 --batches 120
+    python3 bench/cache_policy.py --slots 681338 --steps 190 --prefetch
 """
 
 import argparse
@@ -15,7 +21,7 @@ import numpy as np
 import torch
 
 from speedtorch_ops.demo.corpus import ZipfCorpus
-from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops.training.cache import CachedRows, HostRows
 from speedtorch_ops.training.plan import Plan
 
 
@@ -38,6 +44,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[190, 600])
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--aging", type=int, default=256)
+    p.add_argument("--prefetch", action="store_true",
+                   help="also the prefetch's split of the loads (no cache and --slots)")
     a = p.parse_args()
     corpus = ZipfCorpus(a.vocab, 20, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
@@ -63,6 +71,31 @@ def main() -> None:
         print(f"LFU, steps {a.warmup}-{steps}: hit rate {d[1] / d[0]:.3f}, evictions "
               f"{d[3] / (steps - a.warmup):,.0f} and direct write-backs "
               f"{d[4] / (steps - a.warmup):,.0f} per step ({time.perf_counter() - start:.0f} s)")
+    if a.prefetch:
+        prefetch_split(a, batches)
+
+
+def prefetch_split(a, batches) -> None:
+    """Per step, with each step prefetching the next: distinct rows, hits, host loads (of them
+    loaded ahead, the rest in the step), rows copied from the previous step's buffer."""
+    steps = max(a.steps)
+    table = torch.zeros(a.vocab, 1, 1)
+    for slots in (0, a.slots):
+        store = (CachedRows(table, torch.device("cpu"), slots, aging_steps=a.aging) if slots
+                 else HostRows(table, torch.device("cpu")))
+        for i in range(steps):
+            store.stage(Plan(v_ids(batches[i % len(batches)]), "cpu"))
+            store.prefetch(Plan(v_ids(batches[(i + 1) % len(batches)]), "cpu"))
+            store.commit()
+            if i == a.warmup - 1:
+                before = store.stats.clone()
+        d = [x / (steps - a.warmup) for x in (store.stats - before).tolist()]
+        lookups, hits, loads, ahead, reused = d[0], d[1], d[2], d[5], d[6]
+        print(f"prefetch, {'no cache' if not slots else f'{slots:,} slots'}, steps "
+              f"{a.warmup}-{steps}, per step: {lookups:,.0f} distinct rows, {hits:,.0f} hits, "
+              f"{reused:,.0f} copied from the previous step, {loads:,.0f} host loads: "
+              f"{ahead:,.0f} ahead ({ahead / max(loads, 1):.3f}), {loads - ahead:,.0f} in the "
+              f"step")
 
 
 if __name__ == "__main__":
