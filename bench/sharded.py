@@ -4,8 +4,10 @@ GPU with its own host link and row cache, the rows exchanged over NCCL), in samp
 profiling run with the device synchronized around each phase: route (counts and ids to the
 owners), transfer (owners staging and committing rows: cache and host link, the optimizer on
 the staged rows), exchange (rows to the requesters, gradients to the owners), compute (loss and
-backward). The 1-rank run also times the single-process HostEmbedding (no routing) on the same
-batches. Output: a table, and JSON (--json).
+backward). Each world size runs both routings (--route): the two tables in one
+ShardedEmbeddingCollection (one exchange per phase for both) and each table on its own; the
+speedups compare the first. The 1-rank run also times the single-process HostEmbedding (no
+routing) on the same batches. Output: a table, and JSON (--json).
 
     python bench/sharded.py --ranks 1 2 --json sharded.json           # spawns the ranks
     torchrun --nproc_per_node=2 bench/sharded.py --json sharded.json  # one world size
@@ -28,7 +30,7 @@ import torch.multiprocessing as mp
 import speedtorch_ops as so
 from speedtorch_ops.demo.corpus import CORPORA
 from speedtorch_ops.demo.model import skipgram_loss
-from speedtorch_ops.distributed import ShardedHostEmbedding
+from speedtorch_ops.distributed import ShardedEmbeddingCollection, ShardedHostEmbedding
 from speedtorch_ops.distributed.exchange import PhaseTimes
 
 PHASES = ("route", "transfer", "exchange", "compute")
@@ -50,6 +52,10 @@ def parse(argv=None):
     p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
     p.add_argument("--tokens", type=int, default=2_000_000)
     p.add_argument("--cluster-size", type=int, default=20)
+    p.add_argument("--route", nargs="+", choices=["together", "apart"],
+                   default=["together", "apart"],
+                   help="together: both tables in one ShardedEmbeddingCollection (one exchange "
+                        "per phase); apart: each table its own exchanges")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -74,25 +80,32 @@ def tables(a, device, sharded: bool):
     return u, v
 
 
-def train_step(u, v, batch, timer=None):
+def train_step(u, v, batch, timer=None, together=None):
     labels, ctx, negs = batch
-    centre = u(labels)
-    context, negatives = v(ctx, negs)
+    if together is not None:
+        out = together({"u": labels, "v": (ctx, negs)})
+        centre, (context, negatives) = out["u"], out["v"]
+    else:
+        centre = u(labels)
+        context, negatives = v(ctx, negs)
     with timer.phase("compute") if timer else contextlib.nullcontext():
         loss = skipgram_loss(centre, context, negatives)
         loss.backward()
-    u.step()
-    v.step()
+    if together is not None:
+        together.step()
+    else:
+        u.step()
+        v.step()
 
 
-def measure(a, u, v, data, device, world):
+def measure(a, u, v, data, device, world, together=None):
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for i in range(a.warmup):
-        train_step(u, v, data[i % len(data)])
+        train_step(u, v, data[i % len(data)], together=together)
     sync()
     start = time.perf_counter()
     for i in range(a.steps):
-        train_step(u, v, data[(a.warmup + i) % len(data)])
+        train_step(u, v, data[(a.warmup + i) % len(data)], together=together)
     sync()
     seconds = time.perf_counter() - start
     result = {"step_ms": seconds / a.steps * 1e3,
@@ -104,7 +117,7 @@ def measure(a, u, v, data, device, world):
     sync()
     start = time.perf_counter()
     for i in range(a.profile_steps):
-        train_step(u, v, data[i % len(data)], timer)
+        train_step(u, v, data[i % len(data)], timer, together)
     sync()
     total = (time.perf_counter() - start) / a.profile_steps * 1e3
     phases = {k: timer.seconds.get(k, 0.0) / a.profile_steps * 1e3 for k in PHASES}
@@ -125,8 +138,11 @@ def run_rank(a, rank, world, local_rank):
     data = batches(a, rank)
     torch.manual_seed(rank)  # each rank initialises its own shard
     u, v = tables(a, device, sharded=True)
-    result = {"world": world, "device": str(device), "backend": backend,
-              "sharded": measure(a, u, v, data, device, world)}
+    result = {"world": world, "device": str(device), "backend": backend}
+    for route in a.route:  # the same tables, trained on: only the routing differs
+        together = ShardedEmbeddingCollection({"u": u, "v": v}) if route == "together" else None
+        result[f"sharded_{route}"] = measure(a, u, v, data, device, world, together)
+    result["sharded"] = result[f"sharded_{a.route[0]}"]
     del u, v
     if world == 1:  # the single-process module on the same batches: the routing's cost
         u, v = tables(a, device, sharded=False)
@@ -154,10 +170,11 @@ def report(a, results):
     one = next((r["sharded"] for r in results if r["world"] == 1), None)
     print(f"vocab {a.vocab:,} dim {a.dim}, {a.batch} centre words x (2 + {a.negatives}) ids per "
           f"rank per step, cache {a.cache_mb:g} MiB per rank")
+    print(f"sharded: {a.route[0]} (speedups below)")
     print(f"{'run':<22}{'samples/s':>12}{'step ms':>9}  phases (ms): "
           + " ".join(f"{k:>8}" for k in (*PHASES, "other")))
     for r in results:
-        runs = [(f"{r['world']} rank(s), sharded", r["sharded"])]
+        runs = [(f"{r['world']} rank(s), {route}", r[f"sharded_{route}"]) for route in a.route]
         if "single_process" in r:
             runs.append(("1 rank, HostEmbedding", r["single_process"]))
         for name, x in runs:

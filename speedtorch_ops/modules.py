@@ -358,6 +358,22 @@ class HostEmbeddingBag(_HostRowsModule):
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         input = torch.as_tensor(input)
+        bags, bag_of = self._bags(input, offsets, per_sample_weights)
+        rows, _ = self._stage((input,))
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights.reshape(-1, 1).to(rows.device, rows.dtype)
+        out = rows.new_zeros((bags, self.embedding_dim)).index_add(0, bag_of, rows)
+        if self.mode == "mean":
+            counts = torch.zeros(bags, dtype=rows.dtype, device=rows.device).index_add_(
+                0, bag_of, torch.ones_like(bag_of, dtype=rows.dtype))
+            out = out / counts.clamp(min=1).unsqueeze(1)
+        return out
+
+    def _bags(self, input: Tensor, offsets: Optional[Tensor] = None,
+              per_sample_weights: Optional[Tensor] = None) -> tuple:
+        """Checks the arguments of forward (before any id moves); (number of bags, the bag of
+        each id)."""
+        input = torch.as_tensor(input)
         if per_sample_weights is not None and self.mode != "sum":
             raise ValueError("per_sample_weights is only supported for mode='sum' (as in "
                              "nn.EmbeddingBag)")
@@ -380,12 +396,4 @@ class HostEmbeddingBag(_HostRowsModule):
         if per_sample_weights is not None and per_sample_weights.shape != input.shape:
             raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, "
                              f"got {tuple(per_sample_weights.shape)}")
-        rows, _ = self._stage((input,))
-        if per_sample_weights is not None:
-            rows = rows * per_sample_weights.reshape(-1, 1).to(rows.device, rows.dtype)
-        out = rows.new_zeros((bags, self.embedding_dim)).index_add(0, bag_of, rows)
-        if self.mode == "mean":
-            counts = torch.zeros(bags, dtype=rows.dtype, device=rows.device).index_add_(
-                0, bag_of, torch.ones_like(bag_of, dtype=rows.dtype))
-            out = out / counts.clamp(min=1).unsqueeze(1)
-        return out
+        return bags, bag_of

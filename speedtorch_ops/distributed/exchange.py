@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,79 +83,149 @@ def host_route_group(group):
 
 
 class Route:
-    """One step's routing on one rank: its distinct ids bucketed by owner, how many each rank
-    asks of it, and the local row ids it must serve (``requested``, on the host).
+    """One step's routing on one rank, for the ids of one or several tables at once (one
+    collective per phase, whatever the number of tables): each table's distinct ids bucketed
+    by owner, how many each rank asks of it, and the local row ids it must serve
+    (``requested[t]``, on the host).
 
     Counts and ids travel on `route_group` (its own device: the host for gloo), rows and
-    gradients on `group` (tensors on `comm_device`). Construction is collective. It raises on
-    every rank when any rank passed an id outside [0, num_embeddings) or failed before the
-    exchange (``error``); nothing has moved then."""
+    gradients on `group` (tensors on `comm_device`), each rank's part holding its tables one
+    after the other. Construction is collective. It raises on every rank when any rank passed
+    an id outside its table's [0, num_embeddings) or failed before the exchange (``error``);
+    nothing has moved then. With one rank nothing is exchanged."""
 
-    def __init__(self, ids: Tensor, num_embeddings: int, group, comm_device: torch.device,
-                 route_group, error: Optional[BaseException] = None):
+    def __init__(self, ids: Sequence[Tensor], num_embeddings: Sequence[int], group,
+                 comm_device: torch.device, route_group, error: Optional[BaseException] = None,
+                 names: Optional[Sequence[str]] = None):
         self.group, self.comm_device = group, comm_device
-        route_device = backend_device(route_group)
+        tables = len(num_embeddings)
+        names = list(names) if names is not None else ["ids"] * tables
         world = dist.get_world_size(group)
+        self.world, self.tables = world, tables
         status, bad = _OK, None
         if error is not None:
             status = _FAILED
-        elif ids.numel():
-            values = ids.numpy()  # NumPy: torch's reductions wake its thread pool
-            if values.min() < 0 or values.max() >= num_embeddings:
-                status = _BAD_IDS
-                bad = int(np.flatnonzero((values < 0) | (values >= num_embeddings))[0])
-        if status == _OK:
-            uniq, self.inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            owner = uniq % world
-            self.order = torch.argsort(owner, stable=True)  # by owner, ascending ids within
-            send_ids = (uniq[self.order] // world)
-            send_counts = torch.bincount(owner, minlength=world)
         else:
-            send_ids = torch.zeros(0, dtype=torch.int64)
-            send_counts = torch.zeros(world, dtype=torch.int64)
-        header = torch.stack([send_counts, torch.full((world,), status, dtype=torch.int64)], 1)
+            for t, (flat, rows) in enumerate(zip(ids, num_embeddings)):
+                if flat.numel():
+                    values = flat.numpy()  # NumPy: torch's reductions wake its thread pool
+                    if values.min() < 0 or values.max() >= rows:
+                        status = _BAD_IDS
+                        at = int(np.flatnonzero((values < 0) | (values >= rows))[0])
+                        bad = (names[t], at, int(values[at]), rows)
+                        break
+        self.inverse, self._orders_host, send_ids = [], [], []
+        send_counts = torch.zeros((world, tables), dtype=torch.int64)
+        if status == _OK:
+            for t, flat in enumerate(ids):
+                uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+                owner = uniq % world
+                order = torch.argsort(owner, stable=True)  # by owner, ascending ids within
+                self.inverse.append(inverse)
+                self._orders_host.append(order)
+                send_ids.append(uniq[order] // world)
+                send_counts[:, t] = torch.bincount(owner, minlength=world)
+        self.send_counts = send_counts.tolist()  # [rank][table]
+        self.distinct = [len(x) for x in send_ids]
+        if world == 1:  # no peer: raise here, serve the ids to ourselves
+            self._raise(status, bad, error, [status])
+            self.recv_counts = self.send_counts
+            self.requested = send_ids
+            self._orders = [None] * tables
+            return
+        header = torch.cat([send_counts, torch.full((world, 1), status, dtype=torch.int64)], 1)
+        route_device = backend_device(route_group)
         received = torch.empty_like(header, device=route_device)
         _all_to_all(received, header.to(route_device), [1] * world, [1] * world, route_group)
         received = received.cpu()  # the host needs the counts to size the next buffers
-        statuses = received[:, 1].tolist()
+        self._raise(status, bad, error, received[:, tables].tolist())
+        self.recv_counts = received[:, :tables].tolist()
+        flat_send = _by_rank_then_table(send_ids, self.send_counts)
+        flat_recv = torch.empty(int(received[:, :tables].sum()), dtype=torch.int64,
+                                device=route_device)
+        _all_to_all(flat_recv, flat_send.to(route_device), [sum(c) for c in self.recv_counts],
+                    [sum(c) for c in self.send_counts], route_group)
+        self.requested = _per_table(flat_recv.cpu(), self.recv_counts, [()] * tables)
+        self._orders = [upload(o, comm_device) for o in self._orders_host]
+
+    @staticmethod
+    def _raise(status, bad, error, statuses) -> None:
         if status == _FAILED:
             raise error
         if status == _BAD_IDS:
+            name, at, value, rows = bad
             raise RuntimeError(
-                f"ids[{bad}] = {int(ids[bad])} is out of range for a table of {num_embeddings} "
-                f"rows; every id must be in [0, {num_embeddings}). Every rank raises; nothing "
-                "was written.")
+                f"{name}[{at}] = {value} is out of range for a table of {rows} rows; every id "
+                f"must be in [0, {rows}). Every rank raises; nothing was written.")
         if any(s != _OK for s in statuses):
             ranks = [r for r, s in enumerate(statuses) if s != _OK]
-            what = ("passed ids out of range [0, %d)" % num_embeddings
-                    if all(statuses[r] == _BAD_IDS for r in ranks) else "failed in forward")
+            what = ("passed ids out of range" if all(statuses[r] == _BAD_IDS for r in ranks)
+                    else "failed in forward")
             raise RuntimeError(f"rank(s) {ranks} of the group {what} (see their errors); every "
                                "rank raises; nothing was written.")
-        self.send_counts = send_counts.tolist()
-        self.recv_counts = received[:, 0].tolist()
-        requested = torch.empty(sum(self.recv_counts), dtype=torch.int64, device=route_device)
-        _all_to_all(requested, send_ids.to(route_device), self.recv_counts, self.send_counts,
-                    route_group)
-        self.requested = requested.cpu()
-        self.distinct = len(send_ids)
-        self._order = upload(self.order, comm_device)
 
-    def to_requesters(self, rows: Tensor) -> Tensor:
-        """The rows an owner serves (``len(requested)``, *row), in ``requested``'s order -> this
-        rank's distinct rows in ascending id order (collective)."""
-        rows = rows.to(self.comm_device)
-        out = rows.new_empty((self.distinct, *rows.shape[1:]))
-        _all_to_all(out, rows, self.send_counts, self.recv_counts, self.group)
-        return torch.empty_like(out).index_copy_(0, self._order, out)
+    def to_requesters(self, rows: Sequence[Tensor]) -> List[Tensor]:
+        """The rows an owner serves, per table (``len(requested[t])``, *row), in
+        ``requested[t]``'s order -> this rank's distinct rows of each table in ascending id
+        order (collective: one exchange for all tables, which share a dtype)."""
+        rows = [r.to(self.comm_device) for r in rows]
+        if self.world == 1:
+            return rows
+        out = self._exchange(rows, self.recv_counts, self.send_counts)
+        return [torch.empty_like(o).index_copy_(0, order, o)
+                for o, order in zip(out, self._orders)]
 
-    def to_owners(self, grad: Tensor) -> Tensor:
-        """Gradients of this rank's distinct rows (ascending ids) -> the gradients each owner
-        receives, in ``requested``'s order (collective): the reverse of ``to_requesters``."""
-        grad = grad.to(self.comm_device)
-        send = grad.index_select(0, self._order)
-        out = grad.new_empty((len(self.requested), *grad.shape[1:]))
-        _all_to_all(out, send, self.recv_counts, self.send_counts, self.group)
-        return out
+    def to_owners(self, grads: Sequence[Tensor]) -> List[Tensor]:
+        """Gradients of this rank's distinct rows of each table (ascending ids) -> the gradients
+        each owner receives, in ``requested[t]``'s order (collective): the reverse of
+        ``to_requesters``."""
+        grads = [g.to(self.comm_device) for g in grads]
+        if self.world == 1:
+            return grads
+        send = [g.index_select(0, order) for g, order in zip(grads, self._orders)]
+        return self._exchange(send, self.send_counts, self.recv_counts)
+
+    def _exchange(self, parts: List[Tensor], send: list, recv: list) -> List[Tensor]:
+        """parts[t] split by rank as send[r][t] rows -> what each rank sent, recv[r][t] rows of
+        table t from rank r, per table (rows in rank order)."""
+        dtype = parts[0].dtype
+        if any(p.dtype != dtype for p in parts):
+            raise ValueError("the tables routed together must share a dtype, got "
+                             f"{sorted({str(p.dtype) for p in parts})}")
+        shapes = [tuple(p.shape[1:]) for p in parts]
+        widths = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        flat = _by_rank_then_table([p.reshape(p.shape[0], w) for p, w in zip(parts, widths)],
+                                   send)
+        out = flat.new_empty(sum(c * w for row in recv for c, w in zip(row, widths)))
+        _all_to_all(out, flat.reshape(-1),
+                    [sum(c * w for c, w in zip(row, widths)) for row in recv],
+                    [sum(c * w for c, w in zip(row, widths)) for row in send], self.group)
+        return _per_table(out, recv, shapes)
+
+
+def _by_rank_then_table(parts: Sequence[Tensor], counts: list) -> Tensor:
+    """The rows of each table's `parts[t]` (grouped by rank, counts[r][t] rows for rank r)
+    regrouped rank by rank, each rank's tables one after the other: one flat send buffer."""
+    starts = [0] * len(parts)
+    pieces = []
+    for row in counts:
+        for t, n in enumerate(row):
+            pieces.append(parts[t][starts[t]:starts[t] + n].reshape(-1))
+            starts[t] += n
+    return torch.cat(pieces) if pieces else parts[0].new_empty(0)
+
+
+def _per_table(flat: Tensor, counts: list, shapes: Sequence[tuple]) -> List[Tensor]:
+    """The inverse of ``_by_rank_then_table`` for a received buffer: per table, the rows of
+    every rank in rank order, shaped (rows, *shapes[t])."""
+    widths = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    per_table = [[] for _ in shapes]
+    at = 0
+    for row in counts:
+        for t, n in enumerate(row):
+            per_table[t].append(flat[at:at + n * widths[t]].view(n, *shapes[t]))
+            at += n * widths[t]
+    return [torch.cat(p) for p in per_table]
 
 
 def gather_cyclic(local: Tensor, num_embeddings: int, group, comm_device: torch.device) -> Tensor:

@@ -46,6 +46,79 @@ from .exchange import (PhaseTimes, Route, backend_device, gather_cyclic, host_ro
                        local_rows, no_phase)
 
 
+class _RoutedStep:
+    """The forward of one or several sharded modules whose ids travelled together: the route,
+    and per module the rows its shard staged for the requesters (``owned``) and the rows it
+    received (``rows``, whose gradients ``step`` sends back)."""
+
+    def __init__(self, route: Route, members: list, owned: list, rows: list):
+        self.route, self.members, self.owned, self.rows = route, members, owned, rows
+
+
+def _stage_together(members: Sequence["_ShardedRows"], ids: Sequence[Sequence],
+                    error: Optional[BaseException] = None) -> list:
+    """Collective: the rows of each module's ids (a sequence of id tensors per module), all
+    routed in one exchange per phase; per module (rows per position, the shapes to split them
+    into). Errors before the exchange (`error`, or bad id tensors) make every rank raise."""
+    first = members[0]
+    flats = [torch.zeros(0, dtype=torch.int64)] * len(members)
+    shapes: list = [[] for _ in members]
+    if error is None:
+        try:
+            for m in members:
+                if m._pending is not None:
+                    raise RuntimeError(f"{type(m).__name__}: a second forward before step(); "
+                                       "pass every id tensor of a step to one call, or call "
+                                       "step() first")
+            tensors = [[torch.as_tensor(i) for i in m_ids] for m_ids in ids]
+            shapes = [[t.shape for t in ts] for ts in tensors]
+            flats = [torch.cat([host_ids(t) for t in ts]) for ts in tensors]
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e  # raised after the header exchange, so the other ranks raise too
+            flats = [torch.zeros(0, dtype=torch.int64)] * len(members)
+    names = [m._name for m in members]
+    with first._phase("route"):
+        route = Route(flats, [m.num_embeddings for m in members], first.group, first.comm_device,
+                      first.route_group, error, names)
+    with first._phase("transfer"):
+        owned = [m.shard(torch.cat([requested, m._pad]))
+                 for m, requested in zip(members, route.requested)]
+    with first._phase("exchange"):
+        rows = route.to_requesters([o[:-1].detach() for o in owned])
+    training = torch.is_grad_enabled() and all(m.training for m in members)
+    step = _RoutedStep(route, list(members), owned, []) if training else None
+    out = []
+    for t, m in enumerate(members):
+        r = rows[t].to(m.device)
+        if step is not None:
+            r.requires_grad_()
+            step.rows.append(r)
+            m._pending = step
+        # upload: a copy from pageable memory would wait for everything queued on the stream
+        out.append((r.index_select(0, upload(route.inverse[t], m.device)), shapes[t]))
+    return out
+
+
+def _step_together(step: _RoutedStep) -> None:
+    """Collective: the gradients of a routed forward's rows to their owners (one exchange for
+    all its modules), which update their rows and state and commit them."""
+    first = step.members[0]
+    for m in step.members:
+        m._pending = None
+    grads = [r.grad if r.grad is not None else torch.zeros_like(r) for r in step.rows]
+    with first._phase("exchange"):
+        received = step.route.to_owners(grads)
+    with first._phase("transfer"):
+        for m, owned, grad in zip(step.members, step.owned, received):
+            grad = grad.to(owned.device)
+            if m.grad_scale != 1.0:
+                grad = grad * m.grad_scale
+            # Rows asked for by several ranks appear once per rank: backward sums them.
+            owned.backward(torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))]))
+            m.shard.step()
+            m.steps += 1
+
+
 class _ShardedRows(nn.Module):
     """What both sharded modules share: the shard, the routing of a step, step() and export."""
 
@@ -91,9 +164,11 @@ class _ShardedRows(nn.Module):
             self.shard = HostEmbedding(self.local_rows + 1, embedding_dim, **kwargs)
         self.dtype, self.device = self.shard.dtype, self.shard.device
         self._pad = torch.tensor([self.local_rows], dtype=torch.int64)
-        self._pending = None
+        self._pending: Optional[_RoutedStep] = None
+        self._prestaged: Optional[tuple] = None
         self.timer: Optional[PhaseTimes] = None  # set for a profiling run (bench/sharded.py)
         self.steps = 0
+        self._name = "ids"  # in errors; a collection names its tables
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -107,30 +182,12 @@ class _ShardedRows(nn.Module):
 
     def _stage(self, ids: Sequence) -> tuple:
         """Collective. (this rank's rows per position, the shapes to split them into): the
-        contract of HostEmbedding's forward."""
-        error, flat, shapes = None, torch.zeros(0, dtype=torch.int64), []
-        try:
-            if self._pending is not None:
-                raise RuntimeError(f"{type(self).__name__}: a second forward before step(); "
-                                   "pass every id tensor of a step to one call, or call step() "
-                                   "first")
-            tensors = [torch.as_tensor(i) for i in ids]
-            shapes = [t.shape for t in tensors]
-            flat = torch.cat([host_ids(t) for t in tensors])
-        except (TypeError, ValueError, RuntimeError) as e:
-            error = e  # raised after the header exchange, so the other ranks raise too
-        with self._phase("route"):
-            route = Route(flat, self.num_embeddings, self.group, self.comm_device,
-                          self.route_group, error)
-        with self._phase("transfer"):
-            owned = self.shard(torch.cat([route.requested, self._pad]))
-        with self._phase("exchange"):
-            rows = route.to_requesters(owned[:-1].detach()).to(self.device)
-        if torch.is_grad_enabled() and self.training:
-            rows.requires_grad_()
-            self._pending = (route, owned, rows)
-        # upload: a copy from pageable memory would wait for everything queued on the stream
-        return rows.index_select(0, upload(route.inverse, self.device)), shapes
+        contract of HostEmbedding's forward. Inside ``ShardedEmbeddingCollection.forward`` the
+        rows were routed already, with the other tables'."""
+        if self._prestaged is not None:
+            staged, self._prestaged = self._prestaged, None
+            return staged
+        return _stage_together([self], [ids])[0]
 
     def step(self) -> None:
         """Collective: the gradients of the last forward's rows go to their owners, which update
@@ -138,22 +195,15 @@ class _ShardedRows(nn.Module):
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}.step(): no forward (in training mode, "
                                "with grad enabled) since the last step")
-        route, owned, rows = self._pending
-        self._pending = None
-        grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-        with self._phase("exchange"):
-            received = route.to_owners(grad).to(owned.device)
-        with self._phase("transfer"):
-            if self.grad_scale != 1.0:
-                received = received * self.grad_scale
-            # Rows asked for by several ranks appear once per rank: backward sums them.
-            owned.backward(torch.cat([received, received.new_zeros((1, self.embedding_dim))]))
-            self.shard.step()
-        self.steps += 1
+        if len(self._pending.members) > 1:
+            raise RuntimeError(f"{type(self).__name__}.step(): its rows were routed with other "
+                               "tables' by a ShardedEmbeddingCollection; call the collection's "
+                               "step()")
+        _step_together(self._pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # gradients live per step
         if self._pending is not None:
-            self._pending[2].grad = None
+            self._pending.rows[self._pending.members.index(self)].grad = None
 
     # ---- inspection, export and checkpoints -------------------------------------------------
 
@@ -250,3 +300,83 @@ class ShardedHostEmbeddingBag(_ShardedRows):
 
     # HostEmbeddingBag's forward needs only _stage, mode, device and embedding_dim.
     forward = HostEmbeddingBag.forward
+    _bags = HostEmbeddingBag._bags
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Several sharded tables whose ids, rows and gradients travel together: a step makes one
+    exchange per phase (counts, ids, rows, gradients) for all of them instead of one per table,
+    as TorchRec's sharded embedding collections do.
+
+        tables = ShardedEmbeddingCollection({"user": ShardedHostEmbedding(...),
+                                             "item": ShardedHostEmbeddingBag(...)})
+        out = tables({"user": user_ids, "item": (item_ids, offsets)})   # collective
+        loss.backward()
+        tables.step()                                                   # collective
+
+    ``forward(inputs)``: a dict with every table's name (every rank passes every table, an
+    empty id tensor where it has none), each value what that table's forward takes (a tensor,
+    or a tuple of its arguments: several id tensors, or a bag's input, offsets and
+    per_sample_weights); returns a dict of the tables' outputs. The tables must share the
+    process group, the routing group and a dtype. Bad input on any rank (a missing name, an id
+    out of range, bad bag arguments) raises on every rank before any id moves."""
+
+    def __init__(self, tables: dict):
+        super().__init__()
+        if not isinstance(tables, dict) or not tables:
+            raise ValueError("tables must be a non-empty dict of name -> ShardedHostEmbedding or "
+                             "ShardedHostEmbeddingBag")
+        for name, m in tables.items():
+            if not isinstance(m, _ShardedRows):
+                raise TypeError(f"tables[{name!r}] must be a ShardedHostEmbedding or "
+                                f"ShardedHostEmbeddingBag, got {type(m).__name__}")
+        first = next(iter(tables.values()))
+        for name, m in tables.items():
+            if m.group is not first.group or m.route_group is not first.route_group:
+                raise ValueError(f"tables[{name!r}] uses another process group (or routing "
+                                 "group) than the first table; the tables travel together on one")
+            if m.dtype != first.dtype:
+                raise ValueError(f"tables[{name!r}] has dtype {m.dtype}, the first table "
+                                 f"{first.dtype}; the rows of all tables travel in one buffer")
+            m._name = f"inputs[{name!r}]"
+        self.tables = nn.ModuleDict(tables)
+
+    def forward(self, inputs: dict) -> dict:
+        members = list(self.tables.values())
+        args, ids, error = {}, [], None
+        try:
+            if not isinstance(inputs, dict) or set(inputs) != set(self.tables):
+                got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+                raise ValueError(f"inputs must be a dict with every table's name "
+                                 f"{sorted(self.tables)}, got {got}")
+            for name, m in self.tables.items():
+                value = inputs[name]
+                args[name] = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+                if isinstance(m, ShardedHostEmbeddingBag):
+                    m._bags(*args[name])  # its arguments checked before any id moves
+                    ids.append(args[name][:1])
+                else:
+                    ids.append(args[name])
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = e
+        staged = _stage_together(members, ids if error is None else [()] * len(members), error)
+        out = {}
+        for (name, m), rows in zip(self.tables.items(), staged):
+            m._prestaged = rows
+            try:
+                out[name] = m(*args[name])
+            finally:
+                m._prestaged = None
+        return out
+
+    def step(self) -> None:
+        """Collective: every table's update (one gradient exchange for all)."""
+        pending = [m._pending for m in self.tables.values()]
+        if any(p is None for p in pending) or any(p is not pending[0] for p in pending):
+            raise RuntimeError("ShardedEmbeddingCollection.step(): no forward of the collection "
+                               "(in training mode, with grad enabled) since the last step")
+        _step_together(pending[0])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.tables.values():
+            m.zero_grad(set_to_none)

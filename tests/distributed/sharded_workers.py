@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from speedtorch_ops import HostEmbedding, HostEmbeddingBag, RowWiseAdagrad
-from speedtorch_ops.distributed import (ShardedHostEmbedding, ShardedHostEmbeddingBag,
-                                        full_state_dict)
+from speedtorch_ops.distributed import (ShardedEmbeddingCollection, ShardedHostEmbedding,
+                                        ShardedHostEmbeddingBag, exchange, full_state_dict)
 
 ROWS, DIM, HOT = 37, 5, 7  # 37 is divisible by none of 2, 3, 4; an odd dimension
 OPTIMIZERS = {
@@ -236,3 +236,97 @@ def load_into_single_process(directory, seed, schedule, steps):
     ref = uninterrupted(seed, schedule, steps.stop)
     for key, value in ref.state_dict().items():
         assert torch.allclose(emb.state_dict()[key], value, rtol=1e-10, atol=1e-12), key
+
+
+def collection_like_one_process(rank, world, device, seed):
+    """Two tables of different sizes and widths (an embedding with Adam, a sum bag with
+    per-sample weights and RMSprop) in one ShardedEmbeddingCollection: step for step equal to
+    the single-process modules on the concatenated batches, with an empty batch on one rank,
+    in 4 collectives per step (counts, ids, rows, gradients) where the two modules alone take
+    8; bad input on one rank raises on all and writes nothing."""
+    rows_b, dim_b = 23, 3
+    init_a = initial_table(seed)
+    init_b = torch.randn(rows_b, dim_b, dtype=F64,
+                         generator=torch.Generator().manual_seed(seed + 1))
+    opt_a, opt_b = OPTIMIZERS["Adam"], OPTIMIZERS["RMSprop"]
+
+    def modules(sharded):
+        kw = {"device": device} if sharded else {"device": "cpu"}
+        ea, eb = ((ShardedHostEmbedding, ShardedHostEmbeddingBag) if sharded
+                  else (HostEmbedding, HostEmbeddingBag))
+        a = ea.from_pretrained(init_a, optimizer=opt_a[0], optimizer_kwargs=opt_a[1], **kw)
+        b = eb.from_pretrained(init_b, mode="sum", optimizer=opt_b[0],
+                               optimizer_kwargs=opt_b[1], **kw)
+        return a, b
+
+    def bags(step, r, empty=None):
+        g = torch.Generator().manual_seed(seed * 7 + step * 10 + r)
+        n = 0 if r == empty else 1 + r
+        return (torch.randint(0, rows_b, (n, 4), generator=g),
+                torch.rand(n, 4, dtype=F64, generator=g),
+                torch.randn(n, dim_b, dtype=F64, generator=g))
+
+    a, b = modules(True)
+    coll = ShardedEmbeddingCollection({"a": a, "b": b})
+    ref_a, ref_b = modules(False)
+    calls = []
+    real = exchange._all_to_all
+    exchange._all_to_all = lambda *args: (calls.append(1), real(*args))[1]
+    try:
+        for step in range(3):
+            empty = world - 1 if step == 1 else None
+            ab = [batch(seed, step, r, world, empty_rank=empty) for r in range(world)]
+            bb = [bags(step, r, empty) for r in range(world)]
+            ids, target = ab[rank]
+            bag_ids, weights, bag_target = bb[rank]
+            before = len(calls)
+            out = coll({"a": ids.to(device), "b": (bag_ids.to(device), None, weights.to(device))})
+            (loss_of(out["a"], target.to(device))
+             + loss_of(out["b"], bag_target.to(device))).backward()
+            coll.step()
+            assert len(calls) - before == (4 if world > 1 else 0)
+            reference_step(ref_a, ab)
+            outs = ref_b(torch.cat([x[0] for x in bb]), None, torch.cat([x[1] for x in bb]))
+            loss_of(outs, torch.cat([x[2] for x in bb])).backward()
+            ref_b.step()
+            assert_same_state(a, ref_a, f"collection table a, step {step} world {world}")
+            assert_same_state(b, ref_b, f"collection table b, step {step} world {world}")
+        before = len(calls)
+        out_a = a(ab[rank][0].to(device))  # alone: 2 collectives to route, 1 for the rows
+        loss_of(out_a, ab[rank][1].to(device)).backward()
+        a.step()
+        assert len(calls) - before == (4 if world > 1 else 0)
+        reference_step(ref_a, ab)
+        assert_same_state(a, ref_a, f"table a alone after the collection, world {world}")
+    finally:
+        exchange._all_to_all = real
+    saved = a.gather_state_dict(), b.gather_state_dict()
+    ids = batch(seed, 5, rank, world)[0]
+    bag_ids = bags(5, rank)[0]
+    bad_rank = 1 if world > 1 else 0
+    if rank == bad_rank:  # an id out of table b's range
+        bag_ids[0, 0] = rows_b
+        match = rf"inputs\['b'\]\[0\] = {rows_b} is out of range"
+    else:
+        match = rf"rank\(s\) \[{bad_rank}\] of the group passed ids out of range"
+    with pytest.raises(RuntimeError, match=match):
+        coll({"a": ids.to(device), "b": bag_ids.to(device)})
+    inputs = {"a": ids.to(device)}
+    if rank != 0:  # rank 0 forgets a table
+        inputs["b"] = bags(5, rank)[0].to(device)
+    with pytest.raises((ValueError, RuntimeError), match="every table's name|failed in forward"):
+        coll(inputs)
+    with pytest.raises(RuntimeError, match="no forward"):
+        coll.step()
+    for m, before in zip((a, b), saved):  # the failed forwards wrote nothing
+        after = m.gather_state_dict()
+        assert sorted(after) == sorted(before)
+        assert all(torch.equal(after[k], before[k]) for k in before)
+    out = coll({"a": ids.to(device), "b": bags(5, rank)[0].to(device)})
+    assert out["a"].shape == (*ids.shape, DIM) and out["b"].shape == (len(bag_ids), dim_b)
+    with pytest.raises(RuntimeError, match="call the collection's step"):
+        a.step()
+    coll.step()
+    with pytest.raises(ValueError, match="dtype"):
+        ShardedEmbeddingCollection({"a": a, "c": ShardedHostEmbedding(5, 2, dtype=torch.float32,
+                                                                       device=device)})

@@ -44,6 +44,14 @@ def test_bag_and_several_id_tensors(backend, seed, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_collection_routes_its_tables_together(backend, seed):
+    """ShardedEmbeddingCollection: an embedding and a bag of other sizes, one exchange per
+    phase for both, equal to the single-process modules; one rank (no exchange) on gloo too."""
+    for world in worlds(backend, [1, 2, 3]):
+        run_ranks(w.collection_like_one_process, world, seed, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_id_on_one_rank_raises_on_all(backend, seed):
     run_ranks(w.bad_ids_raise_everywhere, 3 if backend == "gloo" else 2, seed, backend=backend)
 
