@@ -123,6 +123,10 @@ def measure(a, u, v, data, device, world, together=None):
     phases = {k: timer.seconds.get(k, 0.0) / a.profile_steps * 1e3 for k in PHASES}
     phases["other"] = total - sum(phases.values())
     result.update(profiled_step_ms=total, phases_ms=phases)
+    if world > 1:  # every rank's phases: a rank waiting in a collective shows its peer's delay
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, phases)
+        result["phases_ms_per_rank"] = per_rank
     return result
 
 
@@ -180,6 +184,9 @@ def report(a, results):
         for name, x in runs:
             print(f"{name:<22}{x['samples_per_s']:>12,.0f}{x['step_ms']:>9.2f}  {'':12}"
                   + " ".join(f"{x['phases_ms'][k]:>8.2f}" for k in (*PHASES, "other")))
+            for rank, phases in enumerate(x.get("phases_ms_per_rank") or []):
+                print(f"{'':>49}rank {rank}: "
+                      + " ".join(f"{phases[k]:>8.2f}" for k in (*PHASES, "other")))
         if r["world"] > 1:
             for name, base in (("sharded 1 rank", one), ("HostEmbedding", single)):
                 if base:
