@@ -318,7 +318,7 @@ class ShardedEmbeddingCollection(nn.Module):
     empty id tensor where it has none), each value what that table's forward takes (a tensor,
     or a tuple of its arguments: several id tensors, or a bag's input, offsets and
     per_sample_weights); returns a dict of the tables' outputs. The tables must share the
-    process group, the routing group and a dtype. Bad input on any rank (a missing name, an id
+    process group and a dtype. Bad input on any rank (a missing name, an id
     out of range, bad bag arguments) raises on every rank before any id moves."""
 
     def __init__(self, tables: dict):
@@ -332,9 +332,11 @@ class ShardedEmbeddingCollection(nn.Module):
                                 f"ShardedHostEmbeddingBag, got {type(m).__name__}")
         first = next(iter(tables.values()))
         for name, m in tables.items():
-            if m.group is not first.group or m.route_group is not first.route_group:
-                raise ValueError(f"tables[{name!r}] uses another process group (or routing "
-                                 "group) than the first table; the tables travel together on one")
+            # The routing groups may differ (on NCCL each module makes its own gloo group over
+            # the same ranks): the collection routes on the first table's.
+            if m.group is not first.group:
+                raise ValueError(f"tables[{name!r}] uses another process group than the first "
+                                 "table; the tables travel together on one")
             if m.dtype != first.dtype:
                 raise ValueError(f"tables[{name!r}] has dtype {m.dtype}, the first table "
                                  f"{first.dtype}; the rows of all tables travel in one buffer")

@@ -255,6 +255,8 @@ def collection_like_one_process(rank, world, device, seed):
         ea, eb = ((ShardedHostEmbedding, ShardedHostEmbeddingBag) if sharded
                   else (HostEmbedding, HostEmbeddingBag))
         a = ea.from_pretrained(init_a, optimizer=opt_a[0], optimizer_kwargs=opt_a[1], **kw)
+        if sharded:  # its own routing group, as each module on NCCL makes one
+            kw["route_group"] = dist.new_group(backend="gloo")
         b = eb.from_pretrained(init_b, mode="sum", optimizer=opt_b[0],
                                optimizer_kwargs=opt_b[1], **kw)
         return a, b
