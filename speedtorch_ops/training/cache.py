@@ -82,10 +82,9 @@ class Prefetched:
     copied on the device to the positions it shares with this one."""
 
     def __init__(self, plan: Plan, d: "Distinct", buf: Tensor, loaded: Tensor, done,
-                 expires: int, staged: Optional[tuple], keep: tuple):
+                 expires: int, staged: Optional[tuple]):
         self.plan, self.d, self.buf, self.loaded = plan, d, buf, loaded
         self.done, self.expires, self.staged = done, expires, staged
-        self.keep = keep  # the transfer's inputs, alive until the stream that uses buf waited
 
 
 class HostRows:
@@ -186,11 +185,12 @@ class HostRows:
                 self._move(buf.unbind(0), rows, order, count, load=True)
                 done = torch.cuda.Event()
                 done.record(self._side)
+            for t in (buf, rows, order, count):  # freed early (the store dropped), their memory
+                t.record_stream(self._side)      # is not reused before the transfer ran
         else:
             self._move(buf.unbind(0), rows, order, count, load=True)
         expires = self._commits + (1 if staged is not None else 0)
-        self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged,
-                                      (rows, order, count))
+        self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged)
 
     def _take_prefetch(self, plan: Plan) -> Optional[Prefetched]:
         """The prefetch, if it loaded `plan`'s ids and nothing overtook it; the current stream
