@@ -171,9 +171,9 @@ class _HostRowsModule(nn.Module):
             flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else \
                 tensors[0].reshape(-1)
             plan = Plan.on_device(flat, self.bounds_check)
-            # A prefetch of these very tensors, unmodified since, matches them (no wait).
-            plan.source = tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version)
-                                for t in tensors)
+            # A prefetch of these very tensors, unmodified since, matches them (no wait). The
+            # plan holds them: a freed tensor's address could come back with other ids.
+            plan.source = tuple((t, t._version) for t in tensors)
             return plan
         if len(tensors) == 1:
             flat = tensors[0].reshape(-1)

@@ -70,10 +70,13 @@ def _stage_together(members: Sequence["_ShardedRows"], ids: Sequence[Sequence],
                     raise RuntimeError(f"{type(m).__name__}: a second forward before step(); "
                                        "pass every id tensor of a step to one call, or call "
                                        "step() first")
+                if m.training != members[0].training:
+                    raise ValueError("tables routed together must all be in training mode or "
+                                     "all in eval mode")
             tensors = [[torch.as_tensor(i) for i in m_ids] for m_ids in ids]
             shapes = [[t.shape for t in ts] for ts in tensors]
             flats = [torch.cat([host_ids(t) for t in ts]) for ts in tensors]
-        except (TypeError, ValueError, RuntimeError) as e:
+        except Exception as e:  # any: a rank that raised alone would leave its peers waiting
             error = e  # raised after the header exchange, so the other ranks raise too
             flats = [torch.zeros(0, dtype=torch.int64)] * len(members)
     names = [m._name for m in members]
@@ -298,9 +301,17 @@ class ShardedHostEmbeddingBag(_ShardedRows):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.mode = mode
 
-    # HostEmbeddingBag's forward needs only _stage, mode, device and embedding_dim.
-    forward = HostEmbeddingBag.forward
     _bags = HostEmbeddingBag._bags
+
+    def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
+                per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        if self._prestaged is None:  # alone: bad arguments raise on every rank, not here only
+            try:
+                self._bags(input, offsets, per_sample_weights)
+            except Exception as e:
+                _stage_together([self], [()], e)  # raises e here, an error on the other ranks
+        # HostEmbeddingBag's forward needs only _stage, _bags, mode, device and embedding_dim.
+        return HostEmbeddingBag.forward(self, input, offsets, per_sample_weights)
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -318,7 +329,8 @@ class ShardedEmbeddingCollection(nn.Module):
     empty id tensor where it has none), each value what that table's forward takes (a tensor,
     or a tuple of its arguments: several id tensors, or a bag's input, offsets and
     per_sample_weights); returns a dict of the tables' outputs. The tables must share the
-    process group and a dtype. Bad input on any rank (a missing name, an id
+    process group, a dtype and their mode (training or eval), and every rank must build the
+    collection with the same names in the same order (the order of the tables in a buffer). Bad input on any rank (a missing name, an id
     out of range, bad bag arguments) raises on every rank before any id moves."""
 
     def __init__(self, tables: dict):
@@ -331,6 +343,8 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise TypeError(f"tables[{name!r}] must be a ShardedHostEmbedding or "
                                 f"ShardedHostEmbeddingBag, got {type(m).__name__}")
         first = next(iter(tables.values()))
+        if len({id(m) for m in tables.values()}) != len(tables):
+            raise ValueError("tables: a module is listed twice")
         for name, m in tables.items():
             # The routing groups may differ (on NCCL each module makes its own gloo group over
             # the same ranks): the collection routes on the first table's.
@@ -353,13 +367,13 @@ class ShardedEmbeddingCollection(nn.Module):
                                  f"{sorted(self.tables)}, got {got}")
             for name, m in self.tables.items():
                 value = inputs[name]
-                args[name] = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+                args[name] = value if isinstance(value, tuple) else (value,)
                 if isinstance(m, ShardedHostEmbeddingBag):
                     m._bags(*args[name])  # its arguments checked before any id moves
                     ids.append(args[name][:1])
                 else:
                     ids.append(args[name])
-        except (TypeError, ValueError, RuntimeError) as e:
+        except Exception as e:  # raised on every rank by the routing, before any id moves
             error = e
         staged = _stage_together(members, ids if error is None else [()] * len(members), error)
         out = {}

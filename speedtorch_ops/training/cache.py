@@ -100,7 +100,8 @@ class HostRows:
         # lookups, hits, host loads, evictions, direct write-backs; of the loads, those a
         # prefetch did; rows a prefetched step copied from the step before it on the device
         self.stats = torch.zeros(7, dtype=torch.int64, device=self.device)
-        self._commits = 0
+        self._commits = 0  # commits run eagerly; a graph's replays are not counted
+        self._graphed = False  # a step of this store was captured: prefetch is off
         self._prefetched: Optional[Prefetched] = None
         self._side = None  # the prefetch's stream, made on first use
 
@@ -164,6 +165,10 @@ class HostRows:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("prefetch cannot run inside a CUDA graph capture (the rows it "
                                "loads feed the next step, outside the graph); prefetch eagerly")
+        if self._graphed:
+            raise RuntimeError("prefetch: this table's steps were captured in a CUDA graph, whose "
+                               "replays commit rows without Python, so a prefetch cannot know "
+                               "what they change; prefetch only tables trained eagerly")
         self.drop_prefetch()
         d = Distinct(plan)
         buf = self._buffer(d.n)
@@ -171,8 +176,10 @@ class HostRows:
         cached = self._cached(d.ids)
         if cached is not None:
             want &= ~cached
-        staged = self._staged[:2] if self._staged is not None else None
-        if staged is not None:  # rows it updates: copied from its buffer at stage
+        # The staged step's rows (its commit may write them back) are copied from its buffer
+        # at stage; a step of no rows has none to copy.
+        staged = self._staged[:2] if self._staged is not None and self._staged[0].n else None
+        if staged is not None:
             want &= ~_find(d.ids, staged[0])[0]
         order = torch.argsort((~want).to(torch.int8), stable=True)
         rows, count = d.ids[order], want.sum().view(1)
@@ -189,7 +196,7 @@ class HostRows:
                 t.record_stream(self._side)      # is not reused before the transfer ran
         else:
             self._move(buf.unbind(0), rows, order, count, load=True)
-        expires = self._commits + (1 if staged is not None else 0)
+        expires = self._commits + (1 if self._staged is not None else 0)
         self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged)
 
     def _take_prefetch(self, plan: Plan) -> Optional[Prefetched]:
@@ -200,12 +207,18 @@ class HostRows:
             return None
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A graph cannot wait for an event recorded outside it: the prefetch stays (alive)
-            # and the next eager stage drops it, as this step's commit overtakes it.
+            # and the next eager stage drops it (the store is graphed from now on).
+            self._graphed = True
             return None
         self.drop_prefetch()
-        if pre.expires != self._commits or not pre.plan.matches(plan):
+        if self._graphed or pre.expires != self._commits or not pre.plan.matches(plan):
             return None
         return pre
+
+    def _counted_commit(self) -> None:
+        self._commits += 1
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._graphed = True
 
     def drop_prefetch(self) -> None:
         """Forget the prefetch; the current stream waits for its transfer first, so its buffers
@@ -219,7 +232,7 @@ class HostRows:
         d, buf = self._take()
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
         self.stats[4] += d.count[0]  # every staged row goes straight back
-        self._commits += 1
+        self._counted_commit()
 
     def _take(self) -> tuple:
         if self._staged is None:
@@ -349,7 +362,7 @@ class CachedRows(HostRows):
                    load=False)
         self.stats[3] += evict.sum()
         self.stats[4] += rest.sum()
-        self._commits += 1
+        self._counted_commit()
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         self._age += 1
         self.freq.mul_(torch.where(self._age % self.aging_steps == 0, 0.5, 1.0))

@@ -75,7 +75,7 @@ class Plan:
         plan = cls.__new__(cls)
         plan.bounds_check = bounds_check
         plan.cpu = None
-        plan.source = None  # what the ids came from, for ``matches`` (set by the caller)
+        plan.source = None  # the (tensor, version) pairs they came from, for ``matches``
         plan.device = index.device
         plan._index = index.reshape(-1).to(torch.int64)
         plan._init_cache()
@@ -106,7 +106,11 @@ class Plan:
             return False
         if self.cpu is not None and other.cpu is not None:
             return other.same_ids(self.cpu)
-        return self.source is not None and self.source == other.source
+        # ``source``: (tensor, its version) pairs; the same tensor objects, written to since by
+        # neither (a view of them, e.g. a transpose, is another object).
+        if self.source is None or other.source is None or len(self.source) != len(other.source):
+            return False
+        return all(a is b and va == vb for (a, va), (b, vb) in zip(self.source, other.source))
 
     def check(self, rows: int, name: str = "ids") -> None:
         """Raise unless every id is in [0, rows). Host ids are checked on the host, where they

@@ -329,6 +329,31 @@ def collection_like_one_process(rank, world, device, seed):
     with pytest.raises(RuntimeError, match="call the collection's step"):
         a.step()
     coll.step()
+    # A 1-D bag input with offsets through the collection, against the bag alone.
+    flat_ids = bags(6, rank)[0].reshape(-1)
+    offsets = torch.arange(0, flat_ids.numel(), 3)
+    with torch.no_grad():
+        out = coll({"a": ids.to(device), "b": (flat_ids.to(device), offsets.to(device))})
+        alone = b(flat_ids.to(device), offsets.to(device))
+    assert torch.equal(out["b"], alone)
+    # Bad input on one rank only raises on every rank (nothing hangs, nothing is written):
+    # bag arguments of a wrong type, in the collection and to a bag alone; mixed modes.
+    before = b.gather_state_dict()
+    weights = bags(5, rank)[1] if rank != world - 1 else [[1.0]]  # a list: no tensor methods
+    with pytest.raises(Exception):
+        coll({"a": ids.to(device), "b": (bags(5, rank)[0].to(device), None, weights)})
+    with pytest.raises(Exception):
+        b(flat_ids.to(device), None if rank == world - 1 else offsets.to(device))
+    b.eval()
+    with pytest.raises((ValueError, RuntimeError), match="all in eval mode|failed in forward"):
+        coll({"a": ids.to(device), "b": bags(5, rank)[0].to(device)})
+    b.train()
+    after = b.gather_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    out = coll({"a": ids.to(device), "b": bags(5, rank)[0].to(device)})
+    coll.step()  # the collection goes on working
     with pytest.raises(ValueError, match="dtype"):
         ShardedEmbeddingCollection({"a": a, "c": ShardedHostEmbedding(5, 2, dtype=torch.float32,
                                                                        device=device)})
+    with pytest.raises(ValueError, match="listed twice"):
+        ShardedEmbeddingCollection({"a": a, "again": a})

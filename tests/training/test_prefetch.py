@@ -166,3 +166,69 @@ def test_prefetch_refused_inside_a_capture(gen):
         with torch.cuda.stream(side), torch.cuda.graph(graph):
             emb.prefetch(ids)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [0, 12])
+def test_prefetch_after_an_empty_step(device, slots, gen):
+    """A step of no ids, prefetching the next: nothing to copy from it, nothing wrong."""
+    plain, ahead = pair(device, 0, slots, gen)
+    (ids, target), = batches(gen, 1)
+    empty = torch.zeros((0, 6), dtype=torch.int64)
+    for emb in (plain, ahead):
+        out = emb(empty.to(device))
+        if emb is ahead:
+            emb.prefetch(ids)
+        out.sum().backward()
+        emb.step()
+        train(emb, ids.to(device), target.to(device))
+    assert ahead.cache_stats()["prefetched_loads"] > 0
+    assert_same(plain, ahead, device)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run scripts/gpu_check.sh there)")
+def test_gpu_ids_match_only_the_same_tensors(gen):
+    """GPU ids match a prefetch only as the same tensor objects, unmodified: a new tensor at a
+    freed one's address or an in-place write do not (int32 ids, which the plan
+    copies, included)."""
+    plain, ahead = pair("cuda", 0, 12, gen)
+    data = batches(gen, 5, shape=(6, 6))
+    for i, (ids, target) in enumerate(data):
+        x = ids.int().cuda()
+        for emb in (plain, ahead):
+            out = emb(x)
+            if emb is ahead and i + 1 < len(data):
+                nxt = data[i + 1][0].int().cuda()
+                emb.prefetch(nxt)
+                if i == 0:
+                    del nxt  # freed: the next batch is a new tensor, maybe at its address
+                elif i == 1:
+                    nxt.add_(0)  # written to in place: its version moves on
+            ((out * target.cuda()).sum(-1) - 1).pow(2).sum().backward()
+            emb.step()
+    assert_same(plain, ahead, "cuda")
+    assert ahead.cache_stats()["prefetched_loads"] == 0
+    x = data[0][0].cuda()
+    ahead.prefetch(x)
+    train(ahead, x, data[0][1].cuda())  # the same tensor: used
+    assert ahead.cache_stats()["prefetched_loads"] > 0
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run scripts/gpu_check.sh there)")
+def test_no_prefetch_for_a_captured_table(gen):
+    emb = so.HostEmbedding(ROWS, DIM, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           device="cuda", cache_bytes=1 << 16, bounds_check="prechecked")
+    ids = torch.randint(0, ROWS, (8,), generator=gen)
+
+    def step(x):
+        loss = emb(x).sum()
+        loss.backward()
+        emb.step()
+        return loss.detach()
+
+    captured = so.CapturedStep(step, rows=(ROWS,))
+    for _ in range(5):
+        captured(ids)
+    assert captured.graph is not None
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
+        emb.prefetch(ids)
