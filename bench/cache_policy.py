@@ -33,6 +33,20 @@ def fixed_hit_rate(per_step, keep: np.ndarray) -> float:
     return sum(int(keep[u].sum()) for u in per_step) / sum(len(u) for u in per_step)
 
 
+def simulate(store, batches, steps: int, warmup: int, prefetch: bool) -> list:
+    """`steps` steps of the v table through `store` (each staging its batch, with `prefetch`
+    prefetching the next, then committing, as the module does); the store's counts over the
+    steps after `warmup`."""
+    for i in range(steps):
+        store.stage(Plan(v_ids(batches[i % len(batches)]), "cpu"))
+        if prefetch:
+            store.prefetch(Plan(v_ids(batches[(i + 1) % len(batches)]), "cpu"))
+        store.commit()
+        if i == warmup - 1:
+            before = store.stats.clone()
+    return (store.stats - before).tolist()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vocab", type=int, default=4_000_000)
@@ -62,12 +76,7 @@ def main() -> None:
         store = CachedRows(torch.zeros(a.vocab, 1, 1), torch.device("cpu"), a.slots,
                            aging_steps=a.aging)
         start = time.perf_counter()
-        for i in range(steps):
-            store.stage(Plan(v_ids(batches[i % len(batches)]), "cpu"))
-            store.commit()
-            if i == a.warmup - 1:
-                before = store.stats.clone()
-        d = (store.stats - before).tolist()
+        d = simulate(store, batches, steps, a.warmup, prefetch=False)
         print(f"LFU, steps {a.warmup}-{steps}: hit rate {d[1] / d[0]:.3f}, evictions "
               f"{d[3] / (steps - a.warmup):,.0f} and direct write-backs "
               f"{d[4] / (steps - a.warmup):,.0f} per step ({time.perf_counter() - start:.0f} s)")
@@ -83,13 +92,7 @@ def prefetch_split(a, batches) -> None:
     for slots in (0, a.slots):
         store = (CachedRows(table, torch.device("cpu"), slots, aging_steps=a.aging) if slots
                  else HostRows(table, torch.device("cpu")))
-        for i in range(steps):
-            store.stage(Plan(v_ids(batches[i % len(batches)]), "cpu"))
-            store.prefetch(Plan(v_ids(batches[(i + 1) % len(batches)]), "cpu"))
-            store.commit()
-            if i == a.warmup - 1:
-                before = store.stats.clone()
-        d = [x / (steps - a.warmup) for x in (store.stats - before).tolist()]
+        d = [x / (steps - a.warmup) for x in simulate(store, batches, steps, a.warmup, True)]
         lookups, hits, loads, ahead, reused = d[0], d[1], d[2], d[5], d[6]
         print(f"prefetch, {'no cache' if not slots else f'{slots:,} slots'}, steps "
               f"{a.warmup}-{steps}, per step: {lookups:,.0f} distinct rows, {hits:,.0f} hits, "

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from .training import optim_state
 from .training.cache import CachedRows, HostRows
 from .training.placement import allocate, resolve_dtype
-from .training.plan import Plan
+from .training.plan import Plan, check_bounds_mode
 
 
 def _default_device() -> torch.device:
@@ -56,8 +56,7 @@ class _HostRowsModule(nn.Module):
                  device=None, cache_bytes: int = 0, bounds_check: str = "raise",
                  _weight: Optional[Tensor] = None):
         super().__init__()
-        if bounds_check not in ("raise", "prechecked"):
-            raise ValueError(f"bounds_check must be 'raise' or 'prechecked', got {bounds_check!r}")
+        check_bounds_mode(bounds_check)
         self.bounds_check = bounds_check
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -334,13 +333,16 @@ class HostEmbedding(_HostRowsModule):
     docstring). ``forward(ids, *more_ids)``: one output ``(*ids.shape, dim)`` per id tensor."""
 
     def forward(self, ids, *more_ids):
-        rows, shapes = self._stage((ids, *more_ids))
+        return self._outputs(*self._stage((ids, *more_ids)))
+
+    def _outputs(self, rows: Tensor, shapes: list):
+        """The staged rows per position split into one output per id tensor."""
         outs, start = [], 0
         for shape in shapes:
             n = shape.numel()
             outs.append(rows[start:start + n].view(*shape, self.embedding_dim))
             start += n
-        return outs[0] if not more_ids else tuple(outs)
+        return outs[0] if len(shapes) == 1 else tuple(outs)
 
 
 class HostEmbeddingBag(_HostRowsModule):
@@ -360,6 +362,11 @@ class HostEmbeddingBag(_HostRowsModule):
         input = torch.as_tensor(input)
         bags, bag_of = self._bags(input, offsets, per_sample_weights)
         rows, _ = self._stage((input,))
+        return self._pool(rows, bags, bag_of, per_sample_weights)
+
+    def _pool(self, rows: Tensor, bags: int, bag_of: Tensor,
+              per_sample_weights: Optional[Tensor]) -> Tensor:
+        """The bags' sums or means of the staged rows per position."""
         if per_sample_weights is not None:
             rows = rows * per_sample_weights.reshape(-1, 1).to(rows.device, rows.dtype)
         out = rows.new_zeros((bags, self.embedding_dim)).index_add(0, bag_of, rows)

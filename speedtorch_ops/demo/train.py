@@ -193,10 +193,8 @@ class ModuleTraining:
     def step(self, batch, following=None) -> Tensor:
         self.steps_done += 1
         if not self.graphed:
-            if not self.prefetching or following is None:
-                following = None
-            else:
-                following = [torch.from_numpy(x) for x in following]
+            following = ([torch.from_numpy(x) for x in following]
+                         if self.prefetching and following is not None else None)
             return self._train(*(torch.from_numpy(x) for x in batch), following=following)
         if self._captured is None:
             self._captured = so.CapturedStep(self._train, rows=(self.vocab,) * 3,

@@ -101,7 +101,7 @@ class Route:
         tables = len(num_embeddings)
         names = list(names) if names is not None else ["ids"] * tables
         world = dist.get_world_size(group)
-        self.world, self.tables = world, tables
+        self.world = world
         status, bad = _OK, None
         if error is not None:
             status = _FAILED
@@ -114,7 +114,7 @@ class Route:
                         at = int(np.flatnonzero((values < 0) | (values >= rows))[0])
                         bad = (names[t], at, int(values[at]), rows)
                         break
-        self.inverse, self._orders_host, send_ids = [], [], []
+        self.inverse, orders, send_ids = [], [], []
         send_counts = torch.zeros((world, tables), dtype=torch.int64)
         if status == _OK:
             for t, flat in enumerate(ids):
@@ -122,16 +122,13 @@ class Route:
                 owner = uniq % world
                 order = torch.argsort(owner, stable=True)  # by owner, ascending ids within
                 self.inverse.append(inverse)
-                self._orders_host.append(order)
+                orders.append(order)
                 send_ids.append(uniq[order] // world)
                 send_counts[:, t] = torch.bincount(owner, minlength=world)
         self.send_counts = send_counts.tolist()  # [rank][table]
-        self.distinct = [len(x) for x in send_ids]
         if world == 1:  # no peer: raise here, serve the ids to ourselves
             self._raise(status, bad, error, [status])
-            self.recv_counts = self.send_counts
             self.requested = send_ids
-            self._orders = [None] * tables
             return
         header = torch.cat([send_counts, torch.full((world, 1), status, dtype=torch.int64)], 1)
         route_device = backend_device(route_group)
@@ -146,7 +143,7 @@ class Route:
         _all_to_all(flat_recv, flat_send.to(route_device), [sum(c) for c in self.recv_counts],
                     [sum(c) for c in self.send_counts], route_group)
         self.requested = _per_table(flat_recv.cpu(), self.recv_counts, [()] * tables)
-        self._orders = [upload(o, comm_device) for o in self._orders_host]
+        self._orders = [upload(o, comm_device) for o in orders]
 
     @staticmethod
     def _raise(status, bad, error, statuses) -> None:

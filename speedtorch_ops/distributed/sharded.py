@@ -168,7 +168,6 @@ class _ShardedRows(nn.Module):
         self.dtype, self.device = self.shard.dtype, self.shard.device
         self._pad = torch.tensor([self.local_rows], dtype=torch.int64)
         self._pending: Optional[_RoutedStep] = None
-        self._prestaged: Optional[tuple] = None
         self.timer: Optional[PhaseTimes] = None  # set for a profiling run (bench/sharded.py)
         self.steps = 0
         self._name = "ids"  # in errors; a collection names its tables
@@ -183,14 +182,18 @@ class _ShardedRows(nn.Module):
 
     # ---- a step --------------------------------------------------------------------------
 
-    def _stage(self, ids: Sequence) -> tuple:
-        """Collective. (this rank's rows per position, the shapes to split them into): the
-        contract of HostEmbedding's forward. Inside ``ShardedEmbeddingCollection.forward`` the
-        rows were routed already, with the other tables'."""
-        if self._prestaged is not None:
-            staged, self._prestaged = self._prestaged, None
-            return staged
-        return _stage_together([self], [ids])[0]
+    def forward(self, *args, **kwargs):
+        """Collective: the forward of the single-process module (see the subclasses)."""
+        try:
+            ids, finish = self._route_args(*args, **kwargs)
+        except Exception as e:  # bad arguments raise on every rank, not here only
+            _stage_together([self], [()], e)  # raises e here, an error on the other ranks
+        return finish(_stage_together([self], [ids])[0])
+
+    def _route_args(self, *args, **kwargs) -> tuple:
+        """(the id tensors of a forward's arguments, a function of their staged (rows per
+        position, shapes) giving the forward's output); checks the arguments first."""
+        raise NotImplementedError
 
     def step(self) -> None:
         """Collective: the gradients of the last forward's rows go to their owners, which update
@@ -286,8 +289,9 @@ class ShardedHostEmbedding(_ShardedRows):
     """``HostEmbedding`` split by rows across a process group (see the module docstring).
     ``forward(ids, *more_ids)`` (collective): one output ``(*ids.shape, dim)`` per id tensor."""
 
-    # HostEmbedding's forward needs only _stage and embedding_dim, which this class provides.
-    forward = HostEmbedding.forward
+    def _route_args(self, ids, *more_ids) -> tuple:
+        # HostEmbedding's split needs only embedding_dim, which this class has.
+        return (ids, *more_ids), lambda staged: HostEmbedding._outputs(self, *staged)
 
 
 class ShardedHostEmbeddingBag(_ShardedRows):
@@ -301,17 +305,14 @@ class ShardedHostEmbeddingBag(_ShardedRows):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.mode = mode
 
-    _bags = HostEmbeddingBag._bags
+    # HostEmbeddingBag's checks and pooling need only mode, device and embedding_dim.
+    _bags, _pool = HostEmbeddingBag._bags, HostEmbeddingBag._pool
 
-    def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
-                per_sample_weights: Optional[Tensor] = None) -> Tensor:
-        if self._prestaged is None:  # alone: bad arguments raise on every rank, not here only
-            try:
-                self._bags(input, offsets, per_sample_weights)
-            except Exception as e:
-                _stage_together([self], [()], e)  # raises e here, an error on the other ranks
-        # HostEmbeddingBag's forward needs only _stage, _bags, mode, device and embedding_dim.
-        return HostEmbeddingBag.forward(self, input, offsets, per_sample_weights)
+    def _route_args(self, input: Tensor, offsets: Optional[Tensor] = None,
+                    per_sample_weights: Optional[Tensor] = None) -> tuple:
+        input = torch.as_tensor(input)
+        bags, bag_of = self._bags(input, offsets, per_sample_weights)
+        return (input,), lambda staged: self._pool(staged[0], bags, bag_of, per_sample_weights)
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -359,31 +360,20 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def forward(self, inputs: dict) -> dict:
         members = list(self.tables.values())
-        args, ids, error = {}, [], None
+        routed, error = [], None
         try:
             if not isinstance(inputs, dict) or set(inputs) != set(self.tables):
                 got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
                 raise ValueError(f"inputs must be a dict with every table's name "
                                  f"{sorted(self.tables)}, got {got}")
-            for name, m in self.tables.items():
+            for name, m in self.tables.items():  # every table's arguments checked first
                 value = inputs[name]
-                args[name] = value if isinstance(value, tuple) else (value,)
-                if isinstance(m, ShardedHostEmbeddingBag):
-                    m._bags(*args[name])  # its arguments checked before any id moves
-                    ids.append(args[name][:1])
-                else:
-                    ids.append(args[name])
+                routed.append(m._route_args(*(value if isinstance(value, tuple) else (value,))))
         except Exception as e:  # raised on every rank by the routing, before any id moves
             error = e
-        staged = _stage_together(members, ids if error is None else [()] * len(members), error)
-        out = {}
-        for (name, m), rows in zip(self.tables.items(), staged):
-            m._prestaged = rows
-            try:
-                out[name] = m(*args[name])
-            finally:
-                m._prestaged = None
-        return out
+        ids = [r[0] for r in routed] if error is None else [()] * len(members)
+        staged = _stage_together(members, ids, error)
+        return {name: finish(st) for name, (_, finish), st in zip(self.tables, routed, staged)}
 
     def step(self) -> None:
         """Collective: every table's update (one gradient exchange for all)."""

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .. import ops
 from .plan import Plan
-from .stores import RowStore
+from .stores import RowStore, on_stream
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
@@ -65,10 +65,8 @@ class Distinct:
 
 
 def _find(ids: Tensor, of: "Distinct") -> tuple:
-    """(whether each of `ids` is one of the distinct ids of `of`, its position there): a binary
-    search on the device, no wait."""
-    if of.n == 0:
-        return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
+    """(whether each of `ids` is one of the distinct ids of `of` (of at least one id), its
+    position there): a binary search on the device, no wait."""
     key = torch.where(of.valid, of.ids, torch.iinfo(torch.int64).max)  # ascending
     at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
     return key[at] == ids, at
@@ -78,8 +76,8 @@ class Prefetched:
     """A coming step's rows loaded ahead: its plan, Distinct and buffer, which positions hold
     their row (``loaded``), the event that marks the transfer done, and the number of commits
     after which the rows are stale (``expires``: the host table changes at commits). ``staged``:
-    the (Distinct, buffer) of the step staged when the prefetch began; its updated rows are
-    copied on the device to the positions it shares with this one."""
+    the buffer of the step staged when the prefetch began, which positions of this step share
+    its rows and where they sit in it; those rows are copied from it on the device."""
 
     def __init__(self, plan: Plan, d: "Distinct", buf: Tensor, loaded: Tensor, done,
                  expires: int, staged: Optional[tuple]):
@@ -103,7 +101,7 @@ class HostRows:
         self._commits = 0  # commits run eagerly; a graph's replays are not counted
         self._graphed = False  # a step of this store was captured: prefetch is off
         self._prefetched: Optional[Prefetched] = None
-        self._side = None  # the prefetch's stream, made on first use
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def _buffer(self, n: int) -> Tensor:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
@@ -141,17 +139,17 @@ class HostRows:
         evicted) from the host."""
         d, buf, need = pre.d, pre.buf, miss & ~pre.loaded
         if pre.staged is not None:
-            old, old_buf = pre.staged
-            shared, at = _find(d.ids, old)
-            shared &= need
+            old_buf, shared, at = pre.staged
+            shared = shared & need
             take = shared.view(d.n, *[1] * len(self.row_shape))
             for part, rows in zip(old_buf, buf):
                 torch.where(take, part.index_select(0, at), rows, out=rows)
             need &= ~shared
             self.stats[6] += shared.sum()
         self._load(buf, d, need)
-        self.stats[5] += (miss & pre.loaded).sum()
-        return need.sum() + (miss & pre.loaded).sum()  # rows over the host link
+        ahead = (miss & pre.loaded).sum()
+        self.stats[5] += ahead
+        return need.sum() + ahead  # rows over the host link
 
     def _cached(self, ids: Tensor) -> Optional[Tensor]:
         """Whether each row of `ids` is held on the device (None: this store holds none)."""
@@ -178,24 +176,14 @@ class HostRows:
             want &= ~cached
         # The staged step's rows (its commit may write them back) are copied from its buffer
         # at stage; a step of no rows has none to copy.
-        staged = self._staged[:2] if self._staged is not None and self._staged[0].n else None
-        if staged is not None:
-            want &= ~_find(d.ids, staged[0])[0]
-        order = torch.argsort((~want).to(torch.int8), stable=True)
-        rows, count = d.ids[order], want.sum().view(1)
-        done = None
-        if self.device.type == "cuda":
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._side):
-                self._move(buf.unbind(0), rows, order, count, load=True)
-                done = torch.cuda.Event()
-                done.record(self._side)
-            for t in (buf, rows, order, count):  # freed early (the store dropped), their memory
-                t.record_stream(self._side)      # is not reused before the transfer ran
-        else:
-            self._move(buf.unbind(0), rows, order, count, load=True)
+        staged = None
+        if self._staged is not None and self._staged[0].n:
+            old, old_buf = self._staged[:2]
+            staged = (old_buf, *_find(d.ids, old))
+            want &= ~staged[1]
+        with on_stream(self._side, self.device, buf, d.ids, want):
+            self._load(buf, d, want)
+            done = self._side.record_event() if self._side is not None else None
         expires = self._commits + (1 if self._staged is not None else 0)
         self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged)
 

@@ -44,6 +44,13 @@ def host_ids(ids, name: str = "ids") -> Tensor:
     return ids.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
 
 
+def check_bounds_mode(bounds_check: str) -> None:
+    """Raise unless `bounds_check` names a way to treat ids that came on the GPU (see
+    ``Plan.check``)."""
+    if bounds_check not in ("raise", "prechecked"):
+        raise ValueError(f"bounds_check must be 'raise' or 'prechecked', got {bounds_check!r}")
+
+
 def out_of_range(name: str, position: int, value: int, rows: int) -> RuntimeError:
     return RuntimeError(f"{name}[{position}] = {value} is out of range for a table of {rows} "
                         f"rows; every id must be in [0, {rows}). Nothing was written.")
@@ -70,8 +77,7 @@ class Plan:
         the host. ``bounds_check``: how ``check`` treats them (see there)."""
         if index.dtype not in _INTEGER:
             raise TypeError(f"{name} must be integers, got {index.dtype}")
-        if bounds_check not in ("raise", "prechecked"):
-            raise ValueError(f"bounds_check must be 'raise' or 'prechecked', got {bounds_check!r}")
+        check_bounds_mode(bounds_check)
         plan = cls.__new__(cls)
         plan.bounds_check = bounds_check
         plan.cpu = None

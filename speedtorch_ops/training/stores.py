@@ -72,6 +72,22 @@ class RowStore:
         store's own transfers and drop what a write would make stale."""
 
 
+@contextlib.contextmanager
+def on_stream(stream: Optional["torch.cuda.Stream"], device: torch.device, *used: Tensor):
+    """Work queued inside runs on `stream` (a store's transfer stream), after everything queued
+    so far on the current stream of `device` (no stream, e.g. without a GPU: here and now); the
+    tensors `used` (allocated on the current stream) are marked as used there, so the allocator
+    does not hand their memory on before that work ran."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    for t in used:
+        t.record_stream(stream)
+
+
 def _index_device(table: Tensor, device: torch.device) -> torch.device:
     """Indices travel with the rows (the ops route by the table's memory); a CUDA table is
     indexed on its own GPU."""
@@ -221,20 +237,6 @@ class ColocatedRows(RowStore):
         self._pool.append(buf)
         return buf
 
-    @contextlib.contextmanager
-    def _on_transfer_stream(self, *used: Tensor):
-        """Work queued inside runs on the transfer stream, after everything queued so far on
-        the current stream (without a GPU: here and now); the tensors `used` (allocated on the
-        current stream) are marked as used there."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-        for t in used:
-            t.record_stream(self.stream)
-
     def _gather(self, batch: _Batch) -> None:
         """Load the batch's rows: each distinct row read once, whole, in address order."""
         if self._whole_rows:
@@ -270,7 +272,7 @@ class ColocatedRows(RowStore):
         batch = _Batch(plan, self._buffer(len(plan)), stale_from=stale)
         # The sort runs on the current stream, the transfer that uses it on the transfer stream.
         used = () if self._whole_rows else plan.sorted
-        with self._on_transfer_stream(batch.buf, *used):
+        with on_stream(self.stream, self.device, batch.buf, *used):
             self._gather(batch)
             if self.stream is not None:
                 batch.ready = self.stream.record_event()
@@ -308,7 +310,7 @@ class ColocatedRows(RowStore):
             return
         # The sort and the owners are computed on the current stream, used on the transfer one.
         used = (plan.owner,) if self._whole_rows else (*plan.sorted, plan.owner_sorted)
-        with self._on_transfer_stream(batch.buf, *used):
+        with on_stream(self.stream, self.device, batch.buf, *used):
             self._scatter(batch)
         batch.written = True
 
