@@ -28,6 +28,7 @@ graph uses (``set_cache_bytes``, a new optimizer) needs a new ``CapturedStep``.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -92,8 +93,19 @@ class CapturedStep:
         if self.graph is None:
             self._inputs = [upload(h, self.device) for h in host]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._outputs = self.step(*self._inputs)
+            # A pinned table freed during the capture unregisters its memory, a call that a
+            # capture forbids: it invalidates the capture, which then fails at a later kernel
+            # (seen on the H100 when the cyclic collector freed an earlier model's tables
+            # mid-capture). Collect first and keep the collector off until the capture ends.
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph):
+                    self._outputs = self.step(*self._inputs)
+            finally:
+                if collecting:
+                    gc.enable()
             self.graph = graph  # only a capture that finished is replayed
         else:
             for h, into in zip(host, self._inputs):

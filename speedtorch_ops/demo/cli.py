@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+
+import speedtorch_ops as so
 
 from . import __doc__ as DOC
 from .corpus import CORPORA
@@ -97,7 +100,10 @@ def main(argv=None) -> None:
              else f"factories ({resolve_switching(a.switching, device)} switching)")
           + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 
-    r = train_engine(a, corpus, device)
+    # The SM cap is process-wide: set for the factories' training only, restored after it.
+    capped = device.type == "cuda" and a.transfer_sms and a.engine == "factories"
+    with so.transfer_sm_limit(a.transfer_sms) if capped else contextlib.nullcontext():
+        r = train_engine(a, corpus, device)
     quality = neighbour_precision(r["table"], corpus.cluster, corpus.judged_words())
     chance = (a.cluster_size - 1) / (a.vocab - 1)
     timed = a.steps - warmup_steps(a)

@@ -67,8 +67,6 @@ class SwitcherTraining:
                                          "u_embeddings", CPUPinn=True)
         self.v_opt = so.OptimizerFactory(self.optimizer, a.vocab, a.dim, self.model,
                                          "v_embeddings", CPUPinn=True)
-        if device.type == "cuda" and a.transfer_sms:
-            so.set_transfer_sm_limit(a.transfer_sms)  # process-wide
         switching = resolve_switching(a.switching, device)
         self.prefetching = switching == "prefetch"
         if switching != "plain":  # before the init methods: they fill the shared tables

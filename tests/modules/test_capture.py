@@ -157,3 +157,37 @@ def test_capture_refuses_optimizer_state_on_the_cpu(gen):
     captured(ids)
     with pytest.raises(RuntimeError, match=r"optimizer: Adagrad keeps \['step'\] on the CPU"):
         captured(ids)
+
+
+@cuda_only
+def test_capture_survives_garbage_pinned_tables(gen):
+    """A pinned table in a reference cycle is freed by the cyclic collector whenever that runs;
+    freed during a capture, its unregistration would invalidate the capture. Here the step drops
+    the last reference to such a cycle, so it becomes garbage inside the capture, and the
+    collector is set to run at almost every allocation: CapturedStep keeps it off while it
+    captures."""
+    import gc
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    emb, head, step = build(init, 7, "prechecked")
+    box = []
+
+    def step_with_garbage(ids, other):
+        box.clear()
+        return step(ids, other)
+
+    graphed = so.CapturedStep(step_with_garbage, rows=(ROWS, ROWS), warmup=1)
+    data = batches(3, gen)
+    graphed(*data[0])  # eager warm-up
+    cycle = [so.empty_pinned((1000, 16))]
+    cycle.append(cycle)
+    box.append(cycle)
+    del cycle
+    old = gc.get_threshold()
+    try:
+        gc.set_threshold(1, 1, 1)
+        graphed(*data[1])  # the capture
+        graphed(*data[2])
+    finally:
+        gc.set_threshold(*old)
+    assert graphed.graph is not None
+    torch.cuda.synchronize()

@@ -79,9 +79,10 @@ def test_prefetch_trains_like_no_prefetch(device, opt, slots, when, gen):
     assert 0 < stats["prefetched_loads"] <= stats["host_loads"]
     assert stats["hits"] + stats["host_loads"] + stats["reused_rows"] == stats["lookups"]
     assert stats["lookups"] == plain.cache_stats()["lookups"]
-    # The next batch shares hot ids with this one: the rows a cache of 0-12 slots cannot keep
-    # are copied from this step's buffer, not loaded again (30 slots keep them all).
-    if when == "during" and slots <= 12:
+    # The next batch shares hot ids with this one: the rows a cache of 0 or 3 slots cannot keep
+    # (there are 6 hot ids) are copied from this step's buffer, not loaded again (12 slots may
+    # keep them all: the CI once saw no reuse there).
+    if when == "during" and slots <= 3:
         assert stats["reused_rows"] > 0
     if when == "between":
         assert stats["reused_rows"] == 0
@@ -174,6 +175,7 @@ def test_prefetch_after_an_empty_step(device, slots, gen):
     """A step of no ids, prefetching the next: nothing to copy from it, nothing wrong."""
     plain, ahead = pair(device, 0, slots, gen)
     (ids, target), = batches(gen, 1)
+    ids, target = ids.to(device), target.to(device)  # GPU ids match as the same tensor
     empty = torch.zeros((0, 6), dtype=torch.int64)
     for emb in (plain, ahead):
         out = emb(empty.to(device))
@@ -181,7 +183,7 @@ def test_prefetch_after_an_empty_step(device, slots, gen):
             emb.prefetch(ids)
         out.sum().backward()
         emb.step()
-        train(emb, ids.to(device), target.to(device))
+        train(emb, ids, target)
     assert ahead.cache_stats()["prefetched_loads"] > 0
     assert_same(plain, ahead, device)
 

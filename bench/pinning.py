@@ -1,0 +1,119 @@
+"""A huge table's set-up on the GPU machine: how long pinning (speedtorch_ops.pin_, in pieces)
+and filling take, and whether transparent huge pages change that or the zero-copy gather rate.
+
+For each way of getting the memory -- torch.empty (what empty_pinned does), an anonymous mmap,
+and an anonymous mmap advised MADV_HUGEPAGE before its pages exist -- it pins a table of --gib
+GiB (rows of --dim float32), fills it with uniform_ in chunks (initialize_), reads how much of it
+the kernel backs with huge pages (AnonHugePages in /proc/meminfo), and times pinned_gather of
+--rows random rows to the GPU (CUDA events, median of --reps after 3 warm-ups). One table at a
+time, freed before the next. Output: a table and pinning.json in --out.
+
+    python3 bench/pinning.py --gib 32
+"""
+
+import argparse
+import gc
+import json
+import mmap
+import os
+import statistics
+import time
+
+import torch
+
+import speedtorch_ops as so
+
+
+def meminfo_kib(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def thp_setting() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def allocate(kind: str, nbytes: int):
+    """(flat float32 CPU tensor, mmap or None)."""
+    if kind == "torch.empty":
+        return torch.empty(nbytes // 4, dtype=torch.float32), None
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if kind == "mmap+MADV_HUGEPAGE":
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mm, dtype=torch.float32), mm
+
+
+def gather_ms(table: torch.Tensor, rows: int, reps: int) -> float:
+    index = torch.randint(0, table.shape[0], (rows,), device="cuda")
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        so.pinned_gather(table, index)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def one(kind: str, a) -> dict:
+    nbytes = a.gib << 30
+    huge_before = meminfo_kib("AnonHugePages")
+    t0 = time.perf_counter()
+    flat, mm = allocate(kind, nbytes)
+    t1 = time.perf_counter()
+    so.pin_(flat, progress=False)
+    t2 = time.perf_counter()
+    table = flat.view(-1, a.dim)
+    so.initialize_(table, lambda t: t.uniform_(-1, 1), progress=False)
+    t3 = time.perf_counter()
+    huge = (meminfo_kib("AnonHugePages") - huge_before) * 1024
+    ms = gather_ms(table, a.rows, a.reps)
+    row_bytes = a.dim * 4
+    result = dict(kind=kind, gib=a.gib, allocate_s=t1 - t0, pin_s=t2 - t1, fill_s=t3 - t2,
+                  pin_gb_per_s=nbytes / (t2 - t1) / 1e9, fill_gb_per_s=nbytes / (t3 - t2) / 1e9,
+                  huge_page_fraction=huge / nbytes, gather_ms=ms,
+                  gather_gb_per_s=a.rows * row_bytes / ms / 1e6)
+    so.unpin_(flat)
+    del table, flat
+    gc.collect()
+    if mm is not None:
+        mm.close()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gib", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--rows", type=int, default=1 << 20, help="rows per timed gather")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--kinds", nargs="+",
+                   default=["torch.empty", "mmap", "mmap+MADV_HUGEPAGE"])
+    p.add_argument("--out", default="bench/out")
+    a = p.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = [one(kind, a) for kind in a.kinds]
+    print(f"{torch.cuda.get_device_name()}; THP: {thp_setting()}; {torch.get_num_threads()} "
+          f"threads; {a.gib} GiB table of {a.dim} x float32 rows; gather of {a.rows:,} random rows")
+    print(f"{'memory':>20} {'pin s':>7} {'GB/s':>6} {'fill s':>7} {'GB/s':>6} {'huge':>5} "
+          f"{'gather ms':>9} {'GB/s':>6}")
+    for r in results:
+        print(f"{r['kind']:>20} {r['pin_s']:7.2f} {r['pin_gb_per_s']:6.2f} {r['fill_s']:7.2f} "
+              f"{r['fill_gb_per_s']:6.2f} {r['huge_page_fraction']:5.2f} {r['gather_ms']:9.3f} "
+              f"{r['gather_gb_per_s']:6.2f}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "pinning.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), thp=thp_setting(),
+                       threads=torch.get_num_threads(), results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
