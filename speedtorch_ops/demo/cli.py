@@ -44,9 +44,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-mb", type=float, default=1200,
                    help="GPU row cache of the module engine, for both tables together (rows "
                         "with their optimizer state, and the cache's index)")
-    p.add_argument("--graph", choices=["on", "off"], default="off",
+    p.add_argument("--graph", choices=["auto", "on", "off"], default="auto",
                    help="module engine on a GPU: capture the whole step once in a CUDA graph and "
-                        "replay it (speedtorch_ops.CapturedStep)")
+                        "replay it (speedtorch_ops.CapturedStep); auto: on unless --prefetch on "
+                        "(the prefetch runs in eager steps only)")
     p.add_argument("--prefetch", choices=["on", "off"], default="off",
                    help="module engine, eager steps: load the next batch's rows (those the "
                         "caches miss) on a side stream while the current batch trains "

@@ -20,7 +20,7 @@ CASES = [
     ["--engine", "module", "--corpus", "uniform"],
 ]
 GPU_CASES = [
-    ["--engine", "module", "--cache-mb", "1"],  # a cache that evicts every step
+    ["--engine", "module", "--cache-mb", "1", "--graph", "off"],  # evicts every step, eager
     ["--engine", "module", "--cache-mb", "1", "--prefetch", "on"],
     ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
     ["--engine", "factories", "--switching", "colocated"],
