@@ -1,12 +1,14 @@
 """A huge table's set-up on the GPU machine: how long pinning (speedtorch_ops.pin_, in pieces)
 and filling take, and whether transparent huge pages change that or the zero-copy gather rate.
 
-For each way of getting the memory -- torch.empty (what empty_pinned does), an anonymous mmap,
-and an anonymous mmap advised MADV_HUGEPAGE before its pages exist -- it pins a table of --gib
-GiB (rows of --dim float32), fills it with uniform_ in chunks (initialize_), reads how much of it
-the kernel backs with huge pages (AnonHugePages in /proc/meminfo), and times pinned_gather of
+For each way of getting the memory -- torch.empty, an anonymous mmap, and an anonymous mmap
+advised MADV_HUGEPAGE before its pages exist (what empty_pinned does for large tables) -- it pins
+a table of --gib GiB (rows of --dim float32), fills it with uniform_ in chunks (initialize_, one
+thread) and again on every thread (fill_random_), reads how much of it the kernel backs with
+huge pages (AnonHugePages in /proc/meminfo), and times pinned_gather of
 --rows random rows to the GPU (CUDA events, median of --reps after 3 warm-ups). One table at a
-time, freed before the next. Output: a table and pinning.json in --out.
+time, freed before the next. Without a GPU there is no pinning and no gather: the pin column is
+then the time to touch every page (zero_). Output: a table and pinning.json in --out.
 
     python3 bench/pinning.py --gib 32
 """
@@ -22,6 +24,9 @@ import time
 import torch
 
 import speedtorch_ops as so
+
+CUDA = torch.cuda.is_available()  # without a GPU: no pinning and no gather, the fills only
+DEVICE = torch.cuda.get_device_name() if CUDA else "no GPU"
 
 
 def meminfo_kib(key: str) -> int:
@@ -69,19 +74,26 @@ def one(kind: str, a) -> dict:
     t0 = time.perf_counter()
     flat, mm = allocate(kind, nbytes)
     t1 = time.perf_counter()
-    so.pin_(flat, progress=False)
+    if CUDA:
+        so.pin_(flat, progress=False)
+    else:
+        flat.zero_()  # faults every page in, as pinning does, so both fills find them present
     t2 = time.perf_counter()
     table = flat.view(-1, a.dim)
     so.initialize_(table, lambda t: t.uniform_(-1, 1), progress=False)
     t3 = time.perf_counter()
     huge = (meminfo_kib("AnonHugePages") - huge_before) * 1024
-    ms = gather_ms(table, a.rows, a.reps)
+    so.fill_random_(table, "uniform", -1, 1, progress=False)  # every thread draws
+    t4 = time.perf_counter()
+    ms = gather_ms(table, a.rows, a.reps) if CUDA else float("nan")
     row_bytes = a.dim * 4
     result = dict(kind=kind, gib=a.gib, allocate_s=t1 - t0, pin_s=t2 - t1, fill_s=t3 - t2,
                   pin_gb_per_s=nbytes / (t2 - t1) / 1e9, fill_gb_per_s=nbytes / (t3 - t2) / 1e9,
+                  parallel_fill_s=t4 - t3, parallel_fill_gb_per_s=nbytes / (t4 - t3) / 1e9,
                   huge_page_fraction=huge / nbytes, gather_ms=ms,
                   gather_gb_per_s=a.rows * row_bytes / ms / 1e6)
-    so.unpin_(flat)
+    if CUDA:
+        so.unpin_(flat)
     del table, flat
     gc.collect()
     if mm is not None:
@@ -101,17 +113,18 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     results = [one(kind, a) for kind in a.kinds]
-    print(f"{torch.cuda.get_device_name()}; THP: {thp_setting()}; {torch.get_num_threads()} "
+    print(f"{DEVICE}; THP: {thp_setting()}; {torch.get_num_threads()} "
           f"threads; {a.gib} GiB table of {a.dim} x float32 rows; gather of {a.rows:,} random rows")
-    print(f"{'memory':>20} {'pin s':>7} {'GB/s':>6} {'fill s':>7} {'GB/s':>6} {'huge':>5} "
-          f"{'gather ms':>9} {'GB/s':>6}")
+    print(f"{'memory':>20} {'pin s':>7} {'GB/s':>6} {'fill s':>7} {'GB/s':>6} {'pfill s':>7} "
+          f"{'GB/s':>6} {'huge':>5} {'gather ms':>9} {'GB/s':>6}")
     for r in results:
         print(f"{r['kind']:>20} {r['pin_s']:7.2f} {r['pin_gb_per_s']:6.2f} {r['fill_s']:7.2f} "
-              f"{r['fill_gb_per_s']:6.2f} {r['huge_page_fraction']:5.2f} {r['gather_ms']:9.3f} "
-              f"{r['gather_gb_per_s']:6.2f}")
+              f"{r['fill_gb_per_s']:6.2f} {r['parallel_fill_s']:7.2f} "
+              f"{r['parallel_fill_gb_per_s']:6.2f} {r['huge_page_fraction']:5.2f} "
+              f"{r['gather_ms']:9.3f} {r['gather_gb_per_s']:6.2f}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "pinning.json"), "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), thp=thp_setting(),
+        json.dump(dict(gpu=DEVICE, thp=thp_setting(),
                        threads=torch.get_num_threads(), results=results), f, indent=1)
 
 

@@ -25,7 +25,8 @@ from .capture import CapturedStep
 from . import optim
 from .optim import RowWiseAdagrad
 from . import io
-from .memory import empty_pinned, initialize_, is_zero_copy_usable, load_npy, pin_, unpin_
+from .memory import (empty_pinned, fill_random_, initialize_, is_zero_copy_usable, load_npy,
+                     pin_, unpin_)
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
 from . import compat
@@ -47,6 +48,7 @@ __all__ = [
     "pin_",
     "unpin_",
     "initialize_",
+    "fill_random_",
     "io",
     "load_npy",
     "is_zero_copy_usable",

@@ -9,6 +9,7 @@ caller passes ``progress=False``."""
 import math
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -175,25 +176,82 @@ def _huge_page_table(shape: Union[int, Sequence[int]], dtype: torch.dtype) -> Op
     return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _row_chunks(table: Tensor, chunk_bytes: int) -> list:
+    """Views of ``table``'s consecutive rows (dim 0), about ``chunk_bytes`` each."""
+    rows = table.view(1, *table.shape) if table.dim() == 0 else table
+    row_bytes = max(1, rows[0].numel() * rows.element_size())
+    step = max(1, chunk_bytes // row_bytes)
+    return [rows[start:start + step] for start in range(0, rows.shape[0], step)]
+
+
 def initialize_(table: Tensor, init: Callable[[Tensor], object], *,
                 progress: Optional[bool] = None, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
-    """Apply the in-place ``init`` (e.g. ``lambda t: t.normal_(0, 0.1)``) to ``table`` one chunk
-    of about ``chunk_bytes`` at a time (whole rows, ``init`` gets a contiguous view), with a
+    """Apply the in-place ``init`` (e.g. ``lambda t: t.zero_()``) to ``table`` one chunk of
+    about ``chunk_bytes`` at a time (whole rows, ``init`` gets a contiguous view), with a
     progress bar for large tables. Random initialisers draw the same numbers for the same seed
-    and ``chunk_bytes``. Returns ``table``."""
+    and ``chunk_bytes``, on one thread (torch draws CPU random numbers serially, under 1 GB/s):
+    ``fill_random_`` fills on all threads. Returns ``table``."""
     if not table.is_contiguous():
         raise ValueError("initialize_: table must be contiguous")
     if table.numel() == 0:
         return table
-    rows = table.view(1, *table.shape) if table.dim() == 0 else table
-    row_bytes = max(1, rows[0].numel() * rows.element_size())
-    step = max(1, chunk_bytes // row_bytes)
-    bar = progress_bar(rows.numel() * rows.element_size(), "initialising", progress)
+    bar = progress_bar(table.numel() * table.element_size(), "initialising", progress)
     try:
-        for start in range(0, rows.shape[0], step):
-            chunk = rows[start:start + step]
+        for chunk in _row_chunks(table, chunk_bytes):
             init(chunk)
             bar.update(chunk.numel() * chunk.element_size())
+    finally:
+        bar.close()
+    return table
+
+
+RANDOM_FILLS = {"uniform": "uniform_", "normal": "normal_"}
+
+
+def fill_random_(table: Tensor, distribution: str, a: float, b: float, *,
+                 generator: Optional[torch.Generator] = None, threads: Optional[int] = None,
+                 chunk_bytes: int = CHUNK_BYTES, progress: Optional[bool] = None) -> Tensor:
+    """Fill a CPU ``table`` (any strides) in place with random numbers on ``threads`` threads
+    (default: torch's): ``"uniform"`` on [a, b) or ``"normal"`` with mean a and standard
+    deviation b. Each chunk of about ``chunk_bytes`` of rows draws from its own generator, seeded
+    from one number drawn from ``generator`` (default: torch's default generator), so a seed and
+    ``chunk_bytes`` give the same table on any number of threads. Returns ``table``."""
+    if distribution not in RANDOM_FILLS:
+        raise ValueError(f"fill_random_: distribution must be one of {sorted(RANDOM_FILLS)}, got "
+                         f"{distribution!r}")
+    if table.device.type != "cpu":
+        raise ValueError(f"fill_random_: table must be on the CPU, got {table.device}")
+    if not (table.is_floating_point() or table.is_complex()):
+        raise ValueError(f"fill_random_: table must be a floating-point table, got {table.dtype}")
+    if distribution == "uniform" and not a <= b:
+        raise ValueError(f"fill_random_: uniform needs a <= b, got a={a}, b={b}")
+    if distribution == "normal" and not b >= 0:
+        raise ValueError(f"fill_random_: normal needs a standard deviation b >= 0, got b={b}")
+    workers = torch.get_num_threads() if threads is None else int(threads)
+    if workers < 1:
+        raise ValueError(f"fill_random_: threads must be at least 1, got {threads}")
+    if table.numel() == 0:
+        return table
+    chunks = _row_chunks(table, chunk_bytes)
+    base = int(torch.randint(0, 2**62, (), generator=generator))
+    method = RANDOM_FILLS[distribution]
+
+    def fill(i: int) -> int:
+        chunk = chunks[i]
+        gen = torch.Generator().manual_seed(base + i)
+        getattr(chunk, method)(a, b, generator=gen)  # releases the GIL while it draws
+        return chunk.numel() * chunk.element_size()
+
+    bar = progress_bar(table.numel() * table.element_size(), "initialising", progress)
+    try:
+        if workers == 1 or len(chunks) == 1:
+            for i in range(len(chunks)):
+                bar.update(fill(i))
+        else:
+            # Each chunk's kernel runs on one thread: the pool's threads are the parallelism.
+            with ThreadPoolExecutor(min(workers, len(chunks))) as pool:
+                for nbytes in pool.map(fill, range(len(chunks))):
+                    bar.update(nbytes)
     finally:
         bar.close()
     return table

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .memory import fill_random_
 from .training import optim_state
 from .training.cache import CachedRows, HostRows
 from .training.placement import allocate, resolve_dtype
@@ -47,6 +48,14 @@ def _default_device() -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
+
+
+def _normal_init(weight: Tensor) -> None:
+    """nn.Embedding's initialisation, N(0, 1), drawn on all CPU threads for a host table."""
+    if weight.device.type == "cpu":
+        fill_random_(weight, "normal", 0.0, 1.0)
+    else:
+        weight.normal_()
 
 class _HostRowsModule(nn.Module):
     """What both modules share: the host table, the store, staging and the optimizer step."""
@@ -94,7 +103,7 @@ class _HostRowsModule(nn.Module):
             if _weight is not None:
                 self._table("weight").copy_(_weight)
             else:
-                self._table("weight").normal_()  # nn.Embedding's initialisation
+                _normal_init(self._table("weight"))
             self._fill_state()
         self.store = self._make_store(cache_bytes)
         self._staged = None
@@ -235,7 +244,7 @@ class _HostRowsModule(nn.Module):
             self._staged = None
         self.store.reset()
         weight = self._table("weight")
-        init(weight) if init is not None else weight.normal_()
+        init(weight) if init is not None else _normal_init(weight)
         self._fill_state()
 
     def flush(self) -> None:

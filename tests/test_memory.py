@@ -213,6 +213,63 @@ def test_initialize_random_is_reproducible_for_a_chunk_size():
     assert torch.equal(a, b) and 0.9 < a.std() < 1.1
 
 
+@pytest.mark.parametrize("distribution,a,b", [("uniform", -0.5, 2.0), ("normal", 1.5, 0.25)])
+def test_fill_random_same_table_on_any_thread_count(distribution, a, b):
+    """Each chunk draws from its own seeded generator: one seed gives one table on 1 or 3
+    threads; the values follow the distribution (float64 moments of 600,000 draws), chunks do
+    not repeat each other, and another seed gives another table."""
+    tables = []
+    for threads in (1, 3, 3):
+        torch.manual_seed(7 if len(tables) < 2 else 8)
+        t = torch.empty(20000, 30, dtype=torch.float64)
+        speedtorch_ops.fill_random_(t, distribution, a, b, threads=threads, chunk_bytes=50_000)
+        tables.append(t)
+    assert torch.equal(tables[0], tables[1]) and not torch.equal(tables[0], tables[2])
+    t = tables[0]
+    chunk_rows = 50_000 // (30 * 8)
+    assert not torch.equal(t[:chunk_rows], t[chunk_rows:2 * chunk_rows])
+    mean, std = (a + b) / 2, (b - a) / 12 ** 0.5
+    if distribution == "normal":
+        mean, std = a, b
+        assert abs(float(((t - a) / b).pow(3).mean())) < 0.03  # symmetric
+    else:
+        assert float(t.min()) >= a and float(t.max()) < b
+    assert abs(float(t.mean()) - mean) < 5 * std / t.numel() ** 0.5
+    assert abs(float(t.std()) / std - 1) < 0.01
+
+
+def test_fill_random_strided_view_and_generator():
+    """A strided view (a module's weight inside its row layout) is filled, its neighbours are
+    not; an explicit generator decides the table, not the default one."""
+    host = torch.zeros(5000, 3, 8)
+    weight = host[:, 0, :5]
+    gen = torch.Generator().manual_seed(3)
+    speedtorch_ops.fill_random_(weight, "normal", 0.0, 1.0, generator=gen, chunk_bytes=4000,
+                                threads=2)
+    assert (weight != 0).all() and (host[:, 1:] == 0).all() and (host[:, 0, 5:] == 0).all()
+    again = torch.zeros(5000, 3, 8)
+    torch.manual_seed(99)
+    speedtorch_ops.fill_random_(again[:, 0, :5], "normal", 0.0, 1.0, chunk_bytes=4000,
+                                generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again, host)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("gamma", 0.0, 1.0), "distribution must be one of"),
+    (("uniform", 1.0, 0.0), "uniform needs a <= b"),
+    (("normal", 0.0, -1.0), "standard deviation b >= 0"),
+])
+def test_fill_random_bad_arguments_write_nothing(args, match):
+    t = torch.zeros(100, 4)
+    with pytest.raises(ValueError, match=match):
+        speedtorch_ops.fill_random_(t, *args)
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        speedtorch_ops.fill_random_(t, "normal", 0.0, 1.0, threads=0)
+    with pytest.raises(ValueError, match="floating-point"):
+        speedtorch_ops.fill_random_(torch.zeros(4, dtype=torch.int64), "normal", 0.0, 1.0)
+    assert (t == 0).all()
+
+
 def test_empty_pinned_passes_progress(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(memory, "progress_bar", rec)

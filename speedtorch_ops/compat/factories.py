@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import io
-from ..memory import empty_pinned, initialize_, load_npy
+from ..memory import empty_pinned, fill_random_, initialize_, load_npy
 from ..training import optim_state
 from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
                                   next_free_name, resolve_dtype)
@@ -204,7 +204,9 @@ class _ModelSwitcher(_Switcher):
             return None
         return allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
 
-    def _initialise(self, fill) -> None:
+    def _initialise(self, fill, random=None) -> None:
+        """``fill(chunk)`` in place, or with ``random=(distribution, a, b)`` random numbers drawn
+        on all CPU threads (``fill_random_``) where the table is in host memory."""
         table = self._new_table()
         if table is None:
             self._settle(writing=True)
@@ -212,7 +214,9 @@ class _ModelSwitcher(_Switcher):
         else:
             self._adopt(table)
         with torch.no_grad():
-            if table.is_contiguous():  # in chunks, with a progress bar for large tables
+            if random is not None and table.device.type == "cpu":
+                fill_random_(table, *random)
+            elif table.is_contiguous():  # in chunks, with a progress bar for large tables
                 initialize_(table, fill)
             else:
                 fill(table)
@@ -221,10 +225,10 @@ class _ModelSwitcher(_Switcher):
         self._initialise(lambda t: t.zero_())
 
     def uniformDistributionInit(self, low, high) -> None:
-        self._initialise(lambda t: t.uniform_(low, high))
+        self._initialise(lambda t: t.uniform_(low, high), ("uniform", low, high))
 
     def normalDistributionInit(self, mean, stdDev) -> None:
-        self._initialise(lambda t: t.normal_(mean, stdDev))
+        self._initialise(lambda t: t.normal_(mean, stdDev), ("normal", mean, stdDev))
 
     def customInit(self, initFunction, *args) -> None:
         self._initialise(lambda t: initFunction(t, *args))

@@ -162,8 +162,8 @@ class ModuleTraining:
                           for share in self.cache_split(cache))
         self._captured = None
         self.steps_done = 0
-        self.u.reset_parameters(lambda w: w.uniform_(-bound, bound))
-        self.v.reset_parameters(lambda w: w.normal_(0.0, bound))
+        self.u.reset_parameters(lambda w: so.fill_random_(w, "uniform", -bound, bound))
+        self.v.reset_parameters(lambda w: so.fill_random_(w, "normal", 0.0, bound))
         # A captured step replays GPU work only; the prefetch feeds the step after it.
         self.prefetching = prefetch == "on" and not self.graphed
 
