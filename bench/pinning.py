@@ -1,13 +1,14 @@
 """A huge table's set-up on the GPU machine: how long pinning (speedtorch_ops.pin_, in pieces)
 and filling take, and whether transparent huge pages change that or the zero-copy gather rate.
 
-For each way of getting the memory -- torch.empty, an anonymous mmap, and an anonymous mmap
-advised MADV_HUGEPAGE before its pages exist (what empty_pinned does for large tables) -- it pins
+For each way of getting the memory -- torch.empty (what empty_pinned does), an anonymous mmap,
+and an anonymous mmap advised MADV_HUGEPAGE before its pages exist -- it pins
 a table of --gib GiB (rows of --dim float32), fills it with uniform_ in chunks (initialize_, one
 thread) and again on every thread (fill_random_), reads how much of it the kernel backs with
 huge pages (AnonHugePages in /proc/meminfo), and times pinned_gather of
 --rows random rows to the GPU (CUDA events, median of --reps after 3 warm-ups). One table at a
-time, freed before the next. Without a GPU there is no pinning and no gather: the pin column is
+time, freed before the next; --repeats rounds, each in another order (the first table of a
+fresh machine can pay for the machine's memory growing). Without a GPU there is no pinning and no gather: the pin column is
 then the time to touch every page (zero_). Output: a table and pinning.json in --out.
 
     python3 bench/pinning.py --gib 32
@@ -109,16 +110,20 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--kinds", nargs="+",
                    default=["torch.empty", "mmap", "mmap+MADV_HUGEPAGE"])
+    p.add_argument("--repeats", type=int, default=1, help="rounds, the order rotated each time")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    results = [one(kind, a) for kind in a.kinds]
+    results = []
+    for r in range(a.repeats):
+        order = a.kinds[r % len(a.kinds):] + a.kinds[:r % len(a.kinds)]
+        results += [dict(one(kind, a), round=r) for kind in order]
     print(f"{DEVICE}; THP: {thp_setting()}; {torch.get_num_threads()} "
           f"threads; {a.gib} GiB table of {a.dim} x float32 rows; gather of {a.rows:,} random rows")
-    print(f"{'memory':>20} {'pin s':>7} {'GB/s':>6} {'fill s':>7} {'GB/s':>6} {'pfill s':>7} "
+    print(f"{'round':>5} {'memory':>20} {'pin s':>7} {'GB/s':>6} {'fill s':>7} {'GB/s':>6} {'pfill s':>7} "
           f"{'GB/s':>6} {'huge':>5} {'gather ms':>9} {'GB/s':>6}")
     for r in results:
-        print(f"{r['kind']:>20} {r['pin_s']:7.2f} {r['pin_gb_per_s']:6.2f} {r['fill_s']:7.2f} "
+        print(f"{r['round']:5d} {r['kind']:>20} {r['pin_s']:7.2f} {r['pin_gb_per_s']:6.2f} {r['fill_s']:7.2f} "
               f"{r['fill_gb_per_s']:6.2f} {r['parallel_fill_s']:7.2f} "
               f"{r['parallel_fill_gb_per_s']:6.2f} {r['huge_page_fraction']:5.2f} "
               f"{r['gather_ms']:9.3f} {r['gather_gb_per_s']:6.2f}")

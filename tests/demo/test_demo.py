@@ -24,6 +24,7 @@ GPU_CASES = [
     ["--engine", "module", "--cache-mb", "1", "--prefetch", "on"],
     ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
     ["--engine", "factories", "--switching", "colocated"],
+    ["--engine", "module", "--optimizer", "adagrad"],  # no capturable mode: eager steps
 ]
 
 
