@@ -195,7 +195,7 @@ def fill_random_(table: Tensor, distribution: str, a: float, b: float, *,
                          f"{distribution!r}")
     if table.device.type != "cpu":
         raise ValueError(f"fill_random_: table must be on the CPU, got {table.device}")
-    if not (table.is_floating_point() or table.is_complex()):
+    if not table.is_floating_point():
         raise ValueError(f"fill_random_: table must be a floating-point table, got {table.dtype}")
     if distribution == "uniform" and not a <= b:
         raise ValueError(f"fill_random_: uniform needs a <= b, got a={a}, b={b}")

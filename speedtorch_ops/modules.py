@@ -49,13 +49,13 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-
 def _normal_init(weight: Tensor) -> None:
     """nn.Embedding's initialisation, N(0, 1), drawn on all CPU threads for a host table."""
     if weight.device.type == "cpu":
         fill_random_(weight, "normal", 0.0, 1.0)
     else:
         weight.normal_()
+
 
 class _HostRowsModule(nn.Module):
     """What both modules share: the host table, the store, staging and the optimizer step."""

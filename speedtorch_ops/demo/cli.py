@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", choices=["auto", "on", "off"], default="auto",
                    help="module engine on a GPU: capture the whole step once in a CUDA graph and "
                         "replay it (speedtorch_ops.CapturedStep); auto: on unless --prefetch on "
-                        "(the prefetch runs in eager steps only)")
+                        "(the prefetch runs in eager steps only) or --optimizer adagrad (its "
+                        "step count stays on the CPU)")
     p.add_argument("--prefetch", choices=["on", "off"], default="off",
                    help="module engine, eager steps: load the next batch's rows (those the "
                         "caches miss) on a side stream while the current batch trains "

@@ -3,6 +3,8 @@ optimizers) captured in a CUDA graph by CapturedStep trains exactly like the sam
 eagerly (float64, Adam with capturable=True, evictions every step); bad ids and wrong shapes
 are refused on the host before anything runs. The capture needs the GPU machine."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -166,7 +168,6 @@ def test_capture_survives_garbage_pinned_tables(gen):
     the last reference to such a cycle, so it becomes garbage inside the capture, and the
     collector is set to run at almost every allocation: CapturedStep keeps it off while it
     captures."""
-    import gc
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     emb, head, step = build(init, 7, "prechecked")
     box = []
