@@ -138,7 +138,7 @@ class ModuleTraining:
     """The tables and their optimizer state in host memory behind ``speedtorch_ops.HostEmbedding``
     modules (pinned on a GPU), with GPU row caches sharing ``--cache-mb`` in proportion to the
     ids each table sees per step: a step moves only the rows the caches miss (and the rows they
-    evict). With ``--graph on`` (a GPU) the whole step is captured once in a CUDA
+    evict). On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a CUDA
     graph (``speedtorch_ops.CapturedStep``) and replayed: the host checks the ids and launches
     one graph per step."""
 
@@ -222,9 +222,10 @@ class ModuleTraining:
         return moved
 
     def describe(self) -> str:
+        steps = "each step one CUDA graph replay" if self.graphed else ""
         if not any(emb.store.cached_bytes() for emb in (self.u, self.v)):
-            return ""  # no cache (the CPU): nothing to say
-        parts = []
+            return steps  # no cache (the CPU): nothing more to say
+        parts = [steps] if steps else []
         for name, emb in (("u", self.u), ("v", self.v)):
             s = emb.cache_stats()
             parts.append(f"{name}: hit rate {s['hit_rate']:.3f}, cache "
