@@ -19,12 +19,12 @@ import gc
 import json
 import mmap
 import os
-import statistics
 import time
 
 import torch
 
 import speedtorch_ops as so
+from _timing import timed
 
 CUDA = torch.cuda.is_available()  # without a GPU: no pinning and no gather, the fills only
 DEVICE = torch.cuda.get_device_name() if CUDA else "no GPU"
@@ -58,15 +58,7 @@ def allocate(kind: str, nbytes: int):
 
 def gather_ms(table: torch.Tensor, rows: int, reps: int) -> float:
     index = torch.randint(0, table.shape[0], (rows,), device="cuda")
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        so.pinned_gather(table, index)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
+    return timed(lambda: so.pinned_gather(table, index), reps)
 
 
 def one(kind: str, a) -> dict:

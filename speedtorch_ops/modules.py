@@ -387,9 +387,8 @@ class HostEmbeddingBag(_HostRowsModule):
 
     def _bags(self, input: Tensor, offsets: Optional[Tensor] = None,
               per_sample_weights: Optional[Tensor] = None) -> tuple:
-        """Checks the arguments of forward (before any id moves); (number of bags, the bag of
-        each id)."""
-        input = torch.as_tensor(input)
+        """Checks the arguments of forward (`input` a tensor; before any id moves); (number of
+        bags, the bag of each id)."""
         if per_sample_weights is not None and self.mode != "sum":
             raise ValueError("per_sample_weights is only supported for mode='sum' (as in "
                              "nn.EmbeddingBag)")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import io
-from ..memory import empty_pinned, fill_random_, initialize_, load_npy
+from ..memory import RANDOM_FILLS, empty_pinned, fill_random_, initialize_, load_npy
 from ..training import optim_state
 from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
                                   next_free_name, resolve_dtype)
@@ -204,9 +204,13 @@ class _ModelSwitcher(_Switcher):
             return None
         return allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
 
-    def _initialise(self, fill, random=None) -> None:
-        """``fill(chunk)`` in place, or with ``random=(distribution, a, b)`` random numbers drawn
-        on all CPU threads (``fill_random_``) where the table is in host memory."""
+    def _initialise(self, fill) -> None:
+        """``fill(chunk)`` in place (a tuple ``(distribution, a, b)``: random numbers, drawn on
+        all CPU threads by ``fill_random_`` where the table is in host memory)."""
+        random = fill if isinstance(fill, tuple) else None
+        if random is not None:
+            distribution, a, b = random
+            fill = lambda t: getattr(t, RANDOM_FILLS[distribution])(a, b)  # noqa: E731
         table = self._new_table()
         if table is None:
             self._settle(writing=True)
@@ -225,10 +229,10 @@ class _ModelSwitcher(_Switcher):
         self._initialise(lambda t: t.zero_())
 
     def uniformDistributionInit(self, low, high) -> None:
-        self._initialise(lambda t: t.uniform_(low, high), ("uniform", low, high))
+        self._initialise(("uniform", low, high))
 
     def normalDistributionInit(self, mean, stdDev) -> None:
-        self._initialise(lambda t: t.normal_(mean, stdDev), ("normal", mean, stdDev))
+        self._initialise(("normal", mean, stdDev))
 
     def customInit(self, initFunction, *args) -> None:
         self._initialise(lambda t: initFunction(t, *args))

@@ -141,15 +141,20 @@ class HostRows:
         if pre.staged is not None:
             old_buf, shared, at = pre.staged
             shared = shared & need
-            take = shared.view(d.n, *[1] * len(self.row_shape))
-            for part, rows in zip(old_buf, buf):
-                torch.where(take, part.index_select(0, at), rows, out=rows)
+            self._take_rows(buf, old_buf, at, shared)
             need &= ~shared
             self.stats[6] += shared.sum()
         self._load(buf, d, need)
         ahead = (miss & pre.loaded).sum()
         self.stats[5] += ahead
         return need.sum() + ahead  # rows over the host link
+
+    def _take_rows(self, buf: Tensor, src: Tensor, at: Tensor, which: Tensor) -> None:
+        """Position i of `buf` takes row at[i] of `src` (both (parts, rows, *row)) where
+        which[i]; the other positions keep theirs (on the device, no wait)."""
+        take = which.view(-1, *[1] * len(self.row_shape))
+        for part, rows in zip(src, buf):
+            torch.where(take, part.index_select(0, at), rows, out=rows)
 
     def _cached(self, ids: Tensor) -> Optional[Tensor]:
         """Whether each row of `ids` is held on the device (None: this store holds none)."""
@@ -298,9 +303,7 @@ class CachedRows(HostRows):
             self.stats[2] += misses[0]
         else:  # the prefetched rows stay; hits come from the cache, the other misses now
             buf = pre.buf
-            take = hit.view(n, *[1] * len(self.row_shape))
-            for part, rows in zip(self.cache, buf):
-                torch.where(take, part.index_select(0, at), rows, out=rows)
+            self._take_rows(buf, self.cache, at, hit)
             self.stats[2] += self._complete(pre, miss)
         self.stats[0] += d.count[0]
         self.stats[1] += hit.sum()
