@@ -6,6 +6,8 @@ Tables of tens of GiB are pinned in pieces (one ``cudaHostRegister`` per piece),
 tables of ``PROGRESS_MIN_BYTES`` or more shows a progress bar (tqdm, when installed) unless the
 caller passes ``progress=False``."""
 
+import math
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence, Union
@@ -25,6 +27,11 @@ PIECE_BYTES = 1 << 30
 PROGRESS_MIN_BYTES = 1 << 30
 # Initialising, copying and streaming go this many bytes at a time (a progress bar's step).
 CHUNK_BYTES = 64 << 20
+# empty_pinned takes tables of this many bytes or more from an anonymous mapping advised to use
+# transparent huge pages: pinning faults every page in, and with 2 MiB pages a 32 GiB table pins
+# in 5.2-6.1 s instead of 10.2-11.8 s (4 KiB pages, torch.empty or a plain mapping, in rotated
+# order), fills as fast and gathers at the same zero-copy rate (bench/pinning.py on the H100).
+HUGE_PAGE_MIN_BYTES = 64 << 20
 
 
 class _NoBar:
@@ -146,8 +153,28 @@ def empty_pinned(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.fl
     """An uninitialised contiguous CPU table of ``shape``; page-locked when ``pin`` (the default),
     so CUDA indices read it in place. ``pin=False`` gives ordinary memory (CPU-only machines).
     ``piece_bytes`` and ``progress`` as in ``pin_``."""
-    table = torch.empty(shape, dtype=dtype, device="cpu")
+    table = _huge_page_table(shape, dtype) if pin else None
+    if table is None:
+        table = torch.empty(shape, dtype=dtype, device="cpu")
     return pin_(table, piece_bytes=piece_bytes, progress=progress) if pin else table
+
+
+def _huge_page_table(shape: Union[int, Sequence[int]], dtype: torch.dtype) -> Optional[Tensor]:
+    """An uninitialised CPU tensor in a fresh anonymous mapping advised MADV_HUGEPAGE before any
+    page exists (the kernel then backs it with 2 MiB pages where it can), or None for tables under
+    HUGE_PAGE_MIN_BYTES and where the platform has no such advice. The mapping lives as long as
+    the tensor's storage (which holds it) and is unmapped with it."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: ordinary pages
+        pass
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _row_chunks(table: Tensor, chunk_bytes: int) -> list:

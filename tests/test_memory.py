@@ -45,6 +45,46 @@ def test_empty_pinned_unpinned_fallback_and_checks():
         speedtorch_ops.pin_(torch.zeros(4, 4).t())
 
 
+def _meminfo_kib(key):
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def _thp_advisable():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 >> 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
+def test_huge_page_tables_hold_data_and_free_their_memory(dtype):
+    """empty_pinned's memory for large tables (before pinning): an anonymous mapping that the
+    kernel backs with huge pages where it allows them, freed with its last view."""
+    assert memory._huge_page_table((1000, 3), dtype) is None  # small tables: torch.empty
+    rows = (memory.HUGE_PAGE_MIN_BYTES * 2) // (64 * torch.empty((), dtype=dtype).element_size())
+    rss0, huge0 = _rss_mib(), _meminfo_kib("AnonHugePages")
+    t = memory._huge_page_table((rows, 64), dtype)
+    assert t.shape == (rows, 64) and t.dtype == dtype and t.is_contiguous()
+    ref = (torch.rand(rows, 64) * 100).to(dtype)
+    t.copy_(ref)  # touches every page
+    if _thp_advisable():
+        assert _meminfo_kib("AnonHugePages") - huge0 >= 1024  # at least half the 2 MiB pages
+    assert _rss_mib() - rss0 >= t.nbytes >> 21
+    view = t[rows // 2:]
+    del t
+    assert torch.equal(view, ref[rows // 2:])  # the mapping outlives the tensor made on it
+    del view, ref
+    assert _rss_mib() - rss0 < memory.HUGE_PAGE_MIN_BYTES >> 20  # unmapped with the last view
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only error")
 def test_pin_without_cuda_is_a_clear_error():
     with pytest.raises(RuntimeError, match="(without CUDA|cannot pin|CUDA)"):
@@ -75,7 +115,8 @@ def test_empty_pinned_costs_its_bytes():
     shape = (300 * 1024 + 7, 256)
     t = speedtorch_ops.empty_pinned(shape, torch.float32)
     assert t.is_pinned() and t.untyped_storage().nbytes() == shape[0] * shape[1] * 4
-    assert speedtorch_ops.is_zero_copy_usable(t)  # the GPU reads the rows in place
+    # Large enough for the huge-page mapping: the rows read in place from the GPU.
+    assert t.nbytes >= memory.HUGE_PAGE_MIN_BYTES and speedtorch_ops.is_zero_copy_usable(t)
     t[-5:] = torch.arange(5 * 256, dtype=torch.float32).view(5, 256)
     idx = torch.arange(shape[0] - 5, shape[0], device="cuda")
     assert torch.equal(speedtorch_ops.pinned_gather(t, idx).cpu(), t[-5:])
