@@ -54,11 +54,16 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
     return hits / total
 
 
-def run_budget(a, run, batches, device, budget_mb, mode="graph"):
+def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=16):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
-    each step prefetching the next batch's rows (HostEmbedding.prefetch)."""
+    each step prefetching the next batch's rows (HostEmbedding.prefetch); overlap: the caches'
+    misses load and their evicted rows go back on a side stream beside the training kernels
+    (else all in order on one stream), their transfer kernels on at most lane_sms SMs."""
     run.set_cache_mb(budget_mb)
+    for emb in (run.u, run.v):
+        if hasattr(emb.store, "overlap"):
+            emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
     run.graphed = mode == "graph"
     run.prefetching = mode == "prefetch"
 
@@ -90,7 +95,9 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph"):
     moved = sum(s1["host_bytes"] - s0["host_bytes"] for s0, s1 in zip(stats0, stats1))
     slots = [getattr(emb.store, "slots", 0) for emb in (run.u, run.v)]
     used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
-    return {"budget_mb": budget_mb, "mode": mode, "steps_per_s": a.steps / seconds,
+    return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
+            "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
+            "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
             "oracle_hit_rate": oracle_hit_rate(used, slots, a.vocab) if slots[0] else 0.0,
             "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
@@ -99,10 +106,13 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph"):
 
 
 def profile_steps(a, run, batches, device) -> None:
-    """torch.profiler over 10 steps at budget a.profile: the GPU time per op, top 25."""
+    """torch.profiler over 10 steps at budget a.profile in the first of a.modes: the GPU time
+    per op, top 25, and a Chrome trace (profile_trace.json in --out; a graph replay's kernels
+    appear one by one, on their streams)."""
     from torch.profiler import ProfilerActivity, profile
+    mode = "eager" if a.modes[0] == "prefetch" else a.modes[0]
     run_budget(argparse.Namespace(**{**vars(a), "warmup": 0, "steps": 1}), run, batches, device,
-               a.profile, "eager")
+               a.profile, mode, a.overlap[0] == "on", a.lane_sms[0])
     for i in range(30):
         run.step(batches[i % len(batches)])
     torch.cuda.synchronize()
@@ -112,6 +122,8 @@ def profile_steps(a, run, batches, device) -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    os.makedirs(a.out, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(a.out, "profile_trace.json"))
 
 
 def main() -> None:
@@ -132,6 +144,12 @@ def main() -> None:
                    help="graph: the step captured in a CUDA graph (speedtorch_ops.CapturedStep); "
                         "eager: launched op by op; prefetch: eager, the next batch's rows "
                         "loading on a side stream during each step (HostEmbedding.prefetch)")
+    p.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
+                   help="with a cache: transfers on a side stream beside the training kernels "
+                        "(on), or all in order on one stream (off); both: one run each")
+    p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
+                   help="with overlap: the most SMs of the side stream's transfer kernels (0: "
+                        "all); several: one run each")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
@@ -148,8 +166,11 @@ def main() -> None:
     rows = []
     for b in a.budgets:
         for mode in a.modes:
-            rows.append(run_budget(a, run, batches, device, b, mode))
-            print(rows[-1], flush=True)
+            for overlap in (a.overlap if b > 0 else ["on"]):
+                for sms in (a.lane_sms if b > 0 and overlap == "on" else [0]):
+                    rows.append(run_budget(a, run, batches, device, b, mode, overlap == "on",
+                                           sms))
+                    print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
     base = float("nan")
@@ -169,10 +190,10 @@ def main() -> None:
     print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
           f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
           f"{base:.1f} steps/s")
-    print(f"{'budget MiB':>10} {'mode':>6} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>4} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>6} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or '-'):>4} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
@@ -188,9 +209,11 @@ def main() -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in a.modes:
-        mine = [r for r in rows if r["mode"] == mode]
-        ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o-",
-                label=f"HostEmbedding + GPU row cache ({mode})")
+        for overlap in a.overlap:
+            mine = [r for r in rows if r["mode"] == mode and
+                    (r["overlap"] == (overlap == "on") or r["budget_mb"] == 0)]
+            ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o-",
+                    label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")

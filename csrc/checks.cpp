@@ -170,8 +170,9 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
 
 c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
                                        const at::Tensor& sorted_rows, const at::Tensor& slots,
-                                       const std::optional<at::Tensor>& count) {
+                                       const std::optional<at::Tensor>& count, int64_t sms) {
   TORCH_CHECK(!parts.empty(), "parts must hold at least one tensor");
+  TORCH_CHECK(sms >= 0, "sms must be >= 0 (0: the process-wide transfer SM limit), got ", sms);
   const auto device = parts[0].device();
   check_table(table, "table");
   check_index(sorted_rows, "sorted_rows");

@@ -39,7 +39,7 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // once for its load, its write-back and its duplicate bookkeeping. Index values are validated
   // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
   m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
-        "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='raise') -> ()");
+        "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='raise', int sms=0) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

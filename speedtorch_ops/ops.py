@@ -91,7 +91,7 @@ def optimizer_state_swap(
 
 def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor, slots: Tensor,
                      load: bool, count: Optional[Tensor] = None, *,
-                     bounds_check: str = "raise") -> None:
+                     bounds_check: str = "raise", sms: int = 0) -> None:
     """Private, for the stores: a batch's rows moved by ids the caller sorted once, for a
     ``table`` of shape ``(rows, len(parts), ...)`` (a weight and its optimizer state side by
     side); ``parts[k]`` of shape ``(m, ...)`` holds part ``k`` of the batch's rows.
@@ -101,9 +101,11 @@ def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor
     equal rows. ``count`` (one int64 on the parts' device): only the first ``count`` positions
     take part, the rest are neither validated nor moved (a length known only on the GPU, with
     no wait). A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
-    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring)."""
+    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring). ``sms`` > 0:
+    this call's kernels use at most that many SMs (a transfer on a side stream, beside training
+    kernels); 0: the process-wide ``set_transfer_sm_limit``."""
     _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load, count,
-                                  bounds_check=bounds_check)
+                                  bounds_check=bounds_check, sms=sms)
 
 
 def set_transfer_sm_limit(sms: int) -> int:
@@ -179,7 +181,7 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
 
 @torch.library.register_fake("speedtorch_ops::_sorted_transfer")
 def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, count=None, *,
-                          bounds_check: str = "raise") -> None:
+                          bounds_check: str = "raise", sms: int = 0) -> None:
     _check_index_meta(sorted_rows, "sorted_rows")
     _check_index_meta(slots, "slots")
     torch._check(table.dim() >= 2 and table.shape[1] == len(parts),

@@ -16,9 +16,10 @@ namespace speedtorch_ops {
 
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
                          const at::Tensor& slots, bool load,
-                         const std::optional<at::Tensor>& count, c10::string_view bounds_check) {
+                         const std::optional<at::Tensor>& count, c10::string_view bounds_check,
+                         int64_t sms) {
   parse_bounds_check(bounds_check);  // the values are checked on the host in every mode
-  check_sorted_transfer_args(table, parts, sorted_rows, slots, count);
+  check_sorted_transfer_args(table, parts, sorted_rows, slots, count, sms);  // sms: GPU only
   // Only the first `count` positions take part (a CPU tensor: reading it costs no wait).
   const int64_t n = count ? std::clamp<int64_t>(count->item<int64_t>(), 0, sorted_rows.numel())
                           : sorted_rows.numel();

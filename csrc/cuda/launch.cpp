@@ -14,9 +14,9 @@ std::atomic<int64_t> g_sm_limit{0};
 
 }  // namespace
 
-cuda::Grid transfer_grid(const c10::Device& device) {
+cuda::Grid transfer_grid(const c10::Device& device, int64_t call_sms) {
   const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
-  const int64_t limit = g_sm_limit.load();
+  const int64_t limit = call_sms > 0 ? call_sms : g_sm_limit.load();
   if (limit > 0 && limit < sms) return {static_cast<int>(limit), true};
   return {sms, false};
 }

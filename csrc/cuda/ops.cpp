@@ -204,9 +204,9 @@ void optimizer_state_swap_cuda(at::TensorList stores, at::TensorList batch,
 void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
                           const at::Tensor& slots, bool load,
                           const std::optional<at::Tensor>& count,
-                          c10::string_view bounds_check) {
+                          c10::string_view bounds_check, int64_t sms) {
   const auto mode = parse_bounds_check(bounds_check);
-  const auto device = check_sorted_transfer_args(table, parts, sorted_rows, slots, count);
+  const auto device = check_sorted_transfer_args(table, parts, sorted_rows, slots, count, sms);
   TORCH_CHECK(device.is_cuda(), "parts are on ", device, " but table is on the GPU; put the "
               "parts and both indices on the table's GPU");
   c10::cuda::CUDAGuard guard(device);
@@ -229,7 +229,7 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
     pairs.push_back({at.rows + static_cast<int64_t>(k) * pb,
                      static_cast<char*>(parts[k].mutable_data_ptr()), pb, rb});
   }
-  Validation v(device, mode == BoundsCheck::kRaise && !call.capturing);
+  Validation v(device, mode == BoundsCheck::kRaise && !call.capturing, sms);
   // A count stays on the device: the kernels read it, the host never does.
   const int64_t* limit = count ? count->const_data_ptr<int64_t>() : nullptr;
   auto rows = v.add(sorted_rows, table.size(0), "sorted_rows", limit);

@@ -6,9 +6,9 @@
 
 namespace speedtorch_ops::cuda_impl {
 
-Validation::Validation(const c10::Device& device, bool wait)
+Validation::Validation(const c10::Device& device, bool wait, int64_t sms)
     : stream_(at::cuda::getCurrentCUDAStream(device.index())),
-      grid_(transfer_grid(device)),
+      grid_(transfer_grid(device, sms)),
       status_(at::zeros({cuda::kStatusWords}, at::TensorOptions(at::kLong).device(device))),
       wait_(wait) {}
 

@@ -16,7 +16,8 @@ class Validation {
  public:
   // wait: raise_if_bad() waits for the stream and raises (bounds_check='raise', not capturing).
   // Calls whose indices were checked on the host add nothing; their kernels read a zero status.
-  Validation(const c10::Device& device, bool wait);
+  // sms > 0: the call's transfer kernels use at most that many SMs (see transfer_grid).
+  Validation(const c10::Device& device, bool wait, int64_t sms = 0);
 
   // @brief The index as contiguous int64 on the device, queued for validation against `rows`
   // (its first *limit entries only, when limit is a device pointer).

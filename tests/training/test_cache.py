@@ -11,6 +11,9 @@ from speedtorch_ops.training.cache import CachedRows
 from conftest import HAS_CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+# (device, overlap): on a GPU the cache's transfers run on its lane (a side stream) or in order
+# on the current stream; on the CPU there is no lane.
+LANES = [("cpu", True)] + ([("cuda", True), ("cuda", False)] if HAS_CUDA else [])
 OPTIMIZERS = [(torch.optim.Adam, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
               (torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01}),
               (so.RowWiseAdagrad, {"lr": 0.1})]  # its accumulator packed beside the weight
@@ -25,18 +28,21 @@ def check_map(store: CachedRows) -> None:
     assert len(set(ids[held].tolist())) == held.numel()           # a row in one slot at most
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,overlap", LANES)
 @pytest.mark.parametrize("opt", range(len(OPTIMIZERS)))
 @pytest.mark.parametrize("slots", [3, 12, 30])
-def test_small_caches_train_like_no_cache(device, opt, slots, gen):
+def test_small_caches_train_like_no_cache(device, overlap, opt, slots, gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
     plain = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                              device=device)
     cached = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                               device=device)
-    cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3)
-    for _ in range(10):
+    cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3,
+                              overlap=overlap)
+    discarded = {"host_loads": 0, "evictions": 0}
+    tol = 0 if device == "cpu" else 1e-12  # GPU gradient sums of repeated ids use atomics
+    for step in range(10):
         ids = torch.randint(0, 40, (4, 6), generator=gen)
         hot = torch.randint(0, 6, (4, 6), generator=gen)
         ids = torch.where(torch.rand((4, 6), generator=gen) < 0.6, hot, ids)  # skewed, repeated
@@ -45,10 +51,21 @@ def test_small_caches_train_like_no_cache(device, opt, slots, gen):
             ((emb(ids.to(device)) * target.to(device)).sum(-1) - 1).pow(2).sum().backward()
             emb.step()
         check_map(cached.store)
+        if step % 3 == 1:  # a read-only forward evicts at stage too, then is discarded
+            unseen = torch.randint(0, 40, (9,), generator=gen)
+            before = cached.cache_stats()
+            with torch.no_grad():
+                out, ref = cached(unseen.to(device)), plain(unseen.to(device))
+                assert torch.allclose(out, ref, rtol=tol, atol=tol)
+            after = cached.cache_stats()
+            for key in discarded:  # its loads are dropped; its victims were written, stay cached
+                discarded[key] += after[key] - before[key]
+            check_map(cached.store)
     stats = cached.cache_stats()
     assert stats["hits"] > 0 and stats["hits"] + stats["host_loads"] == stats["lookups"]
-    assert stats["host_loads"] == stats["evictions"] + stats["direct_writebacks"] + int(
-        (cached.store.id_of[:-1] >= 0).sum())  # every row loaded is cached or went back
-    tol = 0 if device == "cpu" else 1e-12  # GPU gradient sums of repeated ids use atomics
+    # Every row a training step loaded is cached or went back.
+    assert stats["host_loads"] - discarded["host_loads"] == (
+        stats["evictions"] - discarded["evictions"] + stats["direct_writebacks"]
+        + int((cached.store.id_of[:-1] >= 0).sum()))
     for key, value in plain.state_dict().items():
         assert torch.allclose(cached.state_dict()[key], value, rtol=tol, atol=tol), key

@@ -85,7 +85,8 @@ void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
                               c10::string_view bounds_check);
 void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tensor& sorted_rows,
                          const at::Tensor& slots, bool load,
-                         const std::optional<at::Tensor>& count, c10::string_view bounds_check);
+                         const std::optional<at::Tensor>& count, c10::string_view bounds_check,
+                         int64_t sms);
 
 // Checks shared by both devices' optimizer_state_swap: pairs, shapes, dtypes, aliasing.
 void check_swap_args(at::TensorList stores, at::TensorList batch,
@@ -95,10 +96,10 @@ void check_swap_args(at::TensorList stores, at::TensorList batch,
 
 // Checks shared by both devices' _sorted_transfer: table (rows, len(parts), ...), parts (at
 // least one, each (m, ...) like a part of the table's rows, contiguous, all on one device), the
-// two indices (n each, on the parts' device), count (one int64 there, optional), no aliasing.
-// Returns the parts' device.
+// two indices (n each, on the parts' device), count (one int64 there, optional), no aliasing,
+// sms >= 0. Returns the parts' device.
 c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList parts,
                                        const at::Tensor& sorted_rows, const at::Tensor& slots,
-                                       const std::optional<at::Tensor>& count);
+                                       const std::optional<at::Tensor>& count, int64_t sms);
 
 }  // namespace speedtorch_ops
