@@ -103,7 +103,7 @@ def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor
     no wait). A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
     ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring). ``sms`` > 0:
     this call's kernels use at most that many SMs (a transfer on a side stream, beside training
-    kernels); 0: the process-wide ``set_transfer_sm_limit``."""
+    kernels), or fewer where ``set_transfer_sm_limit`` set a lower cap; 0: that cap alone."""
     _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load, count,
                                   bounds_check=bounds_check, sms=sms)
 
@@ -182,6 +182,7 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
 @torch.library.register_fake("speedtorch_ops::_sorted_transfer")
 def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, count=None, *,
                           bounds_check: str = "raise", sms: int = 0) -> None:
+    torch._check(sms >= 0, lambda: f"sms must be >= 0, got {sms}")
     _check_index_meta(sorted_rows, "sorted_rows")
     _check_index_meta(slots, "slots")
     torch._check(table.dim() >= 2 and table.shape[1] == len(parts),

@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 
 namespace speedtorch_ops::cuda_impl {
@@ -16,7 +17,10 @@ std::atomic<int64_t> g_sm_limit{0};
 
 cuda::Grid transfer_grid(const c10::Device& device, int64_t call_sms) {
   const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
-  const int64_t limit = call_sms > 0 ? call_sms : g_sm_limit.load();
+  // A call's own cap tightens the process-wide one, never loosens it.
+  const int64_t global = g_sm_limit.load();
+  const int64_t limit =
+      call_sms > 0 ? (global > 0 ? std::min(call_sms, global) : call_sms) : global;
   if (limit > 0 && limit < sms) return {static_cast<int>(limit), true};
   return {sms, false};
 }

@@ -11,8 +11,8 @@
 namespace speedtorch_ops::cuda_impl {
 
 // @brief The grid of the transfer kernels on `device`: every SM, or the cap when one is set;
-// sms > 0 caps this call's kernels at that many SMs instead (a transfer on a side stream
-// beside training kernels).
+// sms > 0 caps this call's kernels at that many SMs too (a transfer on a side stream beside
+// training kernels): the lower of the two caps holds.
 cuda::Grid transfer_grid(const c10::Device& device, int64_t sms = 0);
 
 // @brief Sets the most SMs the transfer kernels use (0: no cap) for the whole process; returns

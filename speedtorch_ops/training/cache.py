@@ -249,9 +249,12 @@ class HostRows:
         self._staged = None
 
     def reset(self) -> None:
-        """The host table was rewritten: forget any device copy of its rows."""
+        """The host table is about to be rewritten on the CPU: forget any device copy of its
+        rows, and wait for the GPU (its queued write-backs would land over the new rows)."""
         self._staged = None
         self.drop_prefetch()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def flush(self) -> None:
         """Make the host table complete: it is once the queued write-backs ran (waits for the
@@ -271,7 +274,7 @@ class CachedRows(HostRows):
         super().__init__(host, device)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
-        if not isinstance(lane_sms, int) or lane_sms < 0:
+        if not isinstance(lane_sms, int) or isinstance(lane_sms, bool) or lane_sms < 0:
             raise ValueError(f"CachedRows: lane_sms must be an int >= 0, got {lane_sms!r}")
         # The lane (on a GPU, with ``overlap``, which may change between steps): a side stream
         # that loads a step's misses while the victims are chosen and writes the evicted rows
@@ -280,6 +283,10 @@ class CachedRows(HostRows):
         # order on the current stream.
         self.overlap = overlap
         self.lane_sms = lane_sms
+        # Not the prefetch's stream: a prefetch queued behind the step's evictions would delay
+        # the commit's join. The two never touch the same host rows (a prefetch skips cached
+        # rows and the staged step's).
+        self._lanes = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lane_uses: list = []
         self._lane_done = None  # the event after the staged step's last lane work
         rows = host.shape[0]
@@ -376,12 +383,13 @@ class CachedRows(HostRows):
         evicted = evict.sum().view(1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
                    sms=self._lane_sms)
-        self.stats[3] += evicted[0]
-        return victims, first, miss_ids, admit, old, evict
+        return victims, first, miss_ids, admit, old, evict, evicted
 
     def commit(self) -> None:
-        d, buf, at, order, misses, (victims, first, miss_ids, admit, old, evict) = self._take()
+        d, buf, at, order, misses, admission = self._take()
+        victims, first, miss_ids, admit, old, evict, evicted = admission
         self._join()  # the evicted rows are on the host: their slots can be overwritten
+        self.stats[3] += evicted[0]
         scratch = self.slots
         k = first.numel()
         # Misses not admitted go straight back to the host, on the lane while the cache and its
@@ -417,7 +425,7 @@ class CachedRows(HostRows):
 
     @property
     def _lane(self):
-        return self._side if self.overlap else None
+        return self._lanes if self.overlap else None
 
     @property
     def _lane_sms(self) -> int:
@@ -441,11 +449,14 @@ class CachedRows(HostRows):
     def discard(self) -> None:
         """Forget the staged rows (a read-only forward): the rows evicted at stage were written
         back but keep their slots, so the cache and the host agree on them."""
-        self._join()
+        if self._staged is not None:
+            self._join()
+            self.stats[3] += self._staged[-1][-1][0]  # the victims written back at stage
         super().discard()
 
     def reset(self) -> None:
-        """The host table was rewritten: the cached copies are dropped, not written back."""
+        """The host table is about to be rewritten: the cached copies are dropped, not written
+        back."""
         self._join()
         super().reset()
         self.slot_of.fill_(-1)

@@ -69,3 +69,35 @@ def test_small_caches_train_like_no_cache(device, overlap, opt, slots, gen):
         + int((cached.store.id_of[:-1] >= 0).sum()))
     for key, value in plain.state_dict().items():
         assert torch.allclose(cached.state_dict()[key], value, rtol=tol, atol=tol), key
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the race is between the GPU's write-backs and the CPU")
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("before", ["read-only forward", "forward without step", "step"])
+def test_reset_parameters_waits_for_queued_write_backs(cached, overlap, before):
+    """A forward evicts at stage and a step writes back at commit, both queued on the GPU;
+    reset_parameters then rewrites the host table on the CPU. A GPU kept busy makes the queued
+    writes land late: none of them may land over the new values."""
+    if not cached and not overlap:
+        pytest.skip("no cache: no lane")
+    emb = so.HostEmbedding(4096, 64, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           device="cuda", bounds_check="prechecked")
+    if cached:
+        emb.store = CachedRows(emb.host, torch.device("cuda"), 256, overlap=overlap)
+    emb(torch.arange(256, device="cuda")).sum().backward()  # fills the cache
+    emb.step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the GPU is busy for a while: what follows is queued
+    ids = torch.arange(1024, 1280, device="cuda")  # all misses: 256 victims
+    if before == "read-only forward":
+        with torch.no_grad():
+            emb(ids)
+    elif before == "forward without step":
+        emb(ids).sum()
+    else:
+        emb(ids).sum().backward()
+        emb.step()
+    emb.reset_parameters(lambda w: w.fill_(7.0))
+    torch.cuda.synchronize()
+    assert bool((emb.weight == 7).all())
