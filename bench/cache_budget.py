@@ -54,7 +54,8 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
     return hits / total
 
 
-def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=16):
+def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=16,
+               admission="frequency"):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
     each step prefetching the next batch's rows (HostEmbedding.prefetch); overlap: the caches'
@@ -64,6 +65,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     for emb in (run.u, run.v):
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
+            emb.store.admission = admission
     run.graphed = mode == "graph"
     run.prefetching = mode == "prefetch"
 
@@ -96,6 +98,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     slots = [getattr(emb.store, "slots", 0) for emb in (run.u, run.v)]
     used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
+            "admission": admission if budget_mb > 0 else None,
             "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
             "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
@@ -112,7 +115,7 @@ def profile_steps(a, run, batches, device) -> None:
     from torch.profiler import ProfilerActivity, profile
     mode = "eager" if a.modes[0] == "prefetch" else a.modes[0]
     run_budget(argparse.Namespace(**{**vars(a), "warmup": 0, "steps": 1}), run, batches, device,
-               a.profile, mode, a.overlap[0] == "on", a.lane_sms[0])
+               a.profile, mode, a.overlap[0] == "on", a.lane_sms[0], a.admission)
     for i in range(30):
         run.step(batches[i % len(batches)])
     torch.cuda.synchronize()
@@ -150,6 +153,8 @@ def main() -> None:
     p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
                    help="with overlap: the most SMs of the side stream's transfer kernels (0: "
                         "all); several: one run each")
+    p.add_argument("--admission", choices=["frequency", "always"], default="frequency",
+                   help="the caches' admission rule (speedtorch_ops.training.cache.CachedRows)")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
@@ -169,7 +174,7 @@ def main() -> None:
             for overlap in (a.overlap if b > 0 else ["on"]):
                 for sms in (a.lane_sms if b > 0 and overlap == "on" else [0]):
                     rows.append(run_budget(a, run, batches, device, b, mode, overlap == "on",
-                                           sms))
+                                           sms, a.admission))
                     print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)

@@ -12,6 +12,7 @@ load in the step; and how many the step copies from the previous step's buffer i
 
     python3 bench/cache_policy.py --slots 681338 --steps 190 600 --batches 120
     python3 bench/cache_policy.py --slots 681338 --steps 190 --prefetch
+    python3 bench/cache_policy.py --slots 681338 --steps 190 600 --admission frequency always
 """
 
 import argparse
@@ -58,6 +59,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[190, 600])
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--aging", type=int, default=256)
+    p.add_argument("--admission", nargs="+", choices=["frequency", "always"],
+                   default=["frequency"], help="CachedRows' admission rule(s), one run each")
     p.add_argument("--prefetch", action="store_true",
                    help="also the prefetch's split of the loads (no cache and --slots)")
     a = p.parse_args()
@@ -72,14 +75,16 @@ def main() -> None:
     print(f"v table, {a.vocab:,} rows, {a.slots:,} slots, {a.batches} batches cycled: oracle "
           f"{fixed_hit_rate(per_step, oracle):.3f}, corpus-frequency cache "
           f"{fixed_hit_rate(per_step, by_count):.3f}")
-    for steps in a.steps:
-        store = CachedRows(torch.zeros(a.vocab, 1, 1), torch.device("cpu"), a.slots,
-                           aging_steps=a.aging)
-        start = time.perf_counter()
-        d = simulate(store, batches, steps, a.warmup, prefetch=False)
-        print(f"LFU, steps {a.warmup}-{steps}: hit rate {d[1] / d[0]:.3f}, evictions "
-              f"{d[3] / (steps - a.warmup):,.0f} and direct write-backs "
-              f"{d[4] / (steps - a.warmup):,.0f} per step ({time.perf_counter() - start:.0f} s)")
+    for admission in a.admission:
+        for steps in a.steps:
+            store = CachedRows(torch.zeros(a.vocab, 1, 1), torch.device("cpu"), a.slots,
+                               aging_steps=a.aging, admission=admission)
+            start = time.perf_counter()
+            d = simulate(store, batches, steps, a.warmup, prefetch=False)
+            print(f"LFU, admission {admission}, steps {a.warmup}-{steps}: hit rate "
+                  f"{d[1] / d[0]:.3f}, evictions {d[3] / (steps - a.warmup):,.0f} and direct "
+                  f"write-backs {d[4] / (steps - a.warmup):,.0f} per step "
+                  f"({time.perf_counter() - start:.0f} s)")
     if a.prefetch:
         prefetch_split(a, batches)
 

@@ -15,8 +15,9 @@ The cache (``CachedRows``):
 - access frequencies ``freq`` of every table row (LFU), halved every ``aging_steps`` steps so the
   cache follows a drifting distribution;
 - a miss is admitted when a slot not used by this step holds a row accessed less often (or
-  nothing); the evicted row is written back to the host (every cached row has been trained, so
-  every cached row is dirty). A miss that is not admitted is written back at commit.
+  nothing; ``admission="always"``: whatever that slot holds); the evicted row is written back
+  to the host (every cached row has been trained, so every cached row is dirty). A miss that is
+  not admitted is written back at commit.
 The map and the frequencies cost 8 bytes per table row (counted in the budget).
 
 The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage the misses load on
@@ -270,10 +271,18 @@ class CachedRows(HostRows):
     """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
 
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
-                 overlap: bool = True, lane_sms: int = 16):
+                 overlap: bool = True, lane_sms: int = 16, admission: str = "frequency"):
         super().__init__(host, device)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
+        if admission not in ("frequency", "always"):
+            raise ValueError("CachedRows: admission must be 'frequency' (a miss takes its victim's "
+                             "slot when used at least as often) or 'always' (every miss that "
+                             f"finds an unused slot takes it), got {admission!r}")
+        # "always" writes every miss's victim back at stage (beside the training kernels) and
+        # leaves nothing for the commit's write-back; on the Zipf skip-gram's v table it held the
+        # same hit rate (bench/cache_policy.py --admission).
+        self.admission = admission
         if not isinstance(lane_sms, int) or isinstance(lane_sms, bool) or lane_sms < 0:
             raise ValueError(f"CachedRows: lane_sms must be an int >= 0, got {lane_sms!r}")
         # The lane (on a GPU, with ``overlap``, which may change between steps): a side stream
@@ -375,7 +384,9 @@ class CachedRows(HostRows):
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         miss_ids = d.ids[first]
         cold = prio[victims]
-        admit = (j < misses) & (self.freq[miss_ids] >= cold) & torch.isfinite(cold)
+        admit = (j < misses) & torch.isfinite(cold)  # a slot this step does not use
+        if self.admission == "frequency":
+            admit &= self.freq[miss_ids] >= cold
         old = self.id_of[victims]
         evict = admit & (old >= 0)
         # Evicted rows in address order.

@@ -31,7 +31,8 @@ def check_map(store: CachedRows) -> None:
 @pytest.mark.parametrize("device,overlap", LANES)
 @pytest.mark.parametrize("opt", range(len(OPTIMIZERS)))
 @pytest.mark.parametrize("slots", [3, 12, 30])
-def test_small_caches_train_like_no_cache(device, overlap, opt, slots, gen):
+@pytest.mark.parametrize("admission", ["frequency", "always"])
+def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
     plain = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
@@ -39,7 +40,7 @@ def test_small_caches_train_like_no_cache(device, overlap, opt, slots, gen):
     cached = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                               device=device)
     cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3,
-                              overlap=overlap)
+                              overlap=overlap, admission=admission)
     discarded = {"host_loads": 0, "evictions": 0}
     tol = 0 if device == "cpu" else 1e-12  # GPU gradient sums of repeated ids use atomics
     for step in range(10):
