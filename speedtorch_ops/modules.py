@@ -261,8 +261,9 @@ class _HostRowsModule(nn.Module):
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
         cache hits, rows loaded from the host (of which loaded ahead by ``prefetch``), rows
         written back from the cache to make room (a read-only forward's too, whose rows stay
-        cached; counted once its step commits or is discarded), misses written straight back, rows a prefetched step copied on the
-        device from the step before it (lookups = hits + host loads + those); the hit rate;
+        cached; counted once its step commits or is discarded), misses written straight back,
+        rows a prefetched step copied on the device from the step before it (lookups = hits +
+        host loads + those); the hit rate;
         bytes moved over the host link (prefetches a forward of other ids dropped are not
         counted)."""
         lookups, hits, loads, evictions, direct, ahead, reused = (int(x) for x in

@@ -251,7 +251,9 @@ class HostRows:
 
     def reset(self) -> None:
         """The host table is about to be rewritten on the CPU: forget any device copy of its
-        rows, and wait for the GPU (its queued write-backs would land over the new rows)."""
+        rows, and wait for the GPU's current stream and this store's streams (queued
+        write-backs would land over the new rows; work queued on other streams is the
+        caller's to wait for)."""
         self._staged = None
         self.drop_prefetch()
         if self.device.type == "cuda":
@@ -275,13 +277,10 @@ class CachedRows(HostRows):
         super().__init__(host, device)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
-        if admission not in ("frequency", "always"):
-            raise ValueError("CachedRows: admission must be 'frequency' (a miss takes its victim's "
-                             "slot when used at least as often) or 'always' (every miss that "
-                             f"finds an unused slot takes it), got {admission!r}")
-        # "always" writes every miss's victim back at stage (beside the training kernels) and
-        # leaves nothing for the commit's write-back; on the Zipf skip-gram's v table it held the
-        # same hit rate (bench/cache_policy.py --admission).
+        # "always" writes every admitted miss's victim back at stage (beside the training
+        # kernels), so the commit writes back only the misses that find no unused slot (none
+        # when the step's misses fit in the slots it does not use); on the Zipf skip-gram's v
+        # table it held the same hit rate (bench/cache_policy.py --admission).
         self.admission = admission
         if not isinstance(lane_sms, int) or isinstance(lane_sms, bool) or lane_sms < 0:
             raise ValueError(f"CachedRows: lane_sms must be an int >= 0, got {lane_sms!r}")
@@ -292,9 +291,10 @@ class CachedRows(HostRows):
         # order on the current stream.
         self.overlap = overlap
         self.lane_sms = lane_sms
-        # Not the prefetch's stream: a prefetch queued behind the step's evictions would delay
-        # the commit's join. The two never touch the same host rows (a prefetch skips cached
-        # rows and the staged step's).
+        # Not the prefetch's stream (torch hands streams out of a pool of 32, so many stores may
+        # share one; that costs speed, never order): a prefetch queued behind the step's
+        # evictions would delay the commit's join. The two never touch the same host rows (a
+        # prefetch skips cached rows and the staged step's).
         self._lanes = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lane_uses: list = []
         self._lane_done = None  # the event after the staged step's last lane work
@@ -308,6 +308,18 @@ class CachedRows(HostRows):
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
         # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
         self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
+
+    @property
+    def admission(self) -> str:
+        return self._admission
+
+    @admission.setter
+    def admission(self, admission: str) -> None:
+        if admission not in ("frequency", "always"):
+            raise ValueError("CachedRows: admission must be 'frequency' (a miss takes its victim's "
+                             "slot when used at least as often) or 'always' (every miss that "
+                             f"finds an unused slot takes it), got {admission!r}")
+        self._admission = admission
 
     @staticmethod
     def index_bytes(rows: int) -> int:
@@ -468,6 +480,9 @@ class CachedRows(HostRows):
     def reset(self) -> None:
         """The host table is about to be rewritten: the cached copies are dropped, not written
         back."""
+        if self._staged is not None:  # its victims were written back at stage
+            self._join()
+            self.stats[3] += self._staged[-1][-1][0]
         self._join()
         super().reset()
         self.slot_of.fill_(-1)
@@ -536,3 +551,4 @@ class CachedPositions(RowStore):
         if writing:
             self.rows.flush()
             self.rows.reset()
+            self._current = None  # the reset dropped the staged batch

@@ -69,7 +69,11 @@ class RowStore:
 
     def settle(self, writing: bool = False) -> None:
         """Before the host reads the tables (or, with `writing`, writes them): wait for the
-        store's own transfers and drop what a write would make stale."""
+        store's own transfers and drop what a write would make stale. Here: write-backs queued
+        on the current stream of a GPU (they would land after the host's read or write)."""
+        device = getattr(self, "device", None)
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 @contextlib.contextmanager

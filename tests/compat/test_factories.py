@@ -358,3 +358,24 @@ def test_colocated_checkpoint_waits_and_drops_prefetch(gen):
     mf.load_state_dict({"tables": [replacement]})
     mf.beforeForwardPass(ids)
     assert torch.equal(model.u_embeddings.weight.detach().cpu(), replacement[torch.as_tensor(ids)])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the race is between the GPU's write-backs and the CPU")
+def test_pinned_tables_rewritten_after_queued_write_backs(gen):
+    """A pinned model factory's write-back is queued on the GPU; load_state_dict then copies a
+    replacement into the table on the CPU. With the GPU kept busy the write-back lands late: it
+    must not land over the replacement."""
+    model = SlotModel(B, B).double().cuda()
+    mf = so.ModelFactory(model.u_embeddings, V, D, datatype="float64", CPUPinn=True)
+    mf.zerosInit()
+    ids = np.array([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        mf.beforeForwardPass(ids)
+        model.u_embeddings.weight.add_(1.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the write-back below waits behind this
+        mf.afterOptimizerStep(ids)
+    replacement = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.load_state_dict({"tables": [replacement]})
+    torch.cuda.synchronize()
+    assert torch.equal(mf.state_dict()["tables"][0], replacement)

@@ -64,6 +64,8 @@ def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission
             check_map(cached.store)
     stats = cached.cache_stats()
     assert stats["hits"] > 0 and stats["hits"] + stats["host_loads"] == stats["lookups"]
+    if admission == "always" and slots >= 24:  # a step's misses always fit in its unused slots
+        assert stats["direct_writebacks"] == 0
     # Every row a training step loaded is cached or went back.
     assert stats["host_loads"] - discarded["host_loads"] == (
         stats["evictions"] - discarded["evictions"] + stats["direct_writebacks"]
@@ -102,3 +104,22 @@ def test_reset_parameters_waits_for_queued_write_backs(cached, overlap, before):
     emb.reset_parameters(lambda w: w.fill_(7.0))
     torch.cuda.synchronize()
     assert bool((emb.weight == 7).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("admission", ["frequency", "always"])
+def test_admission_rules(device, admission):
+    """One slot holding a row used in two steps; a step then misses a row used once: the
+    frequency rule keeps the hot row (the miss goes straight back), "always" evicts it."""
+    emb = so.HostEmbedding(10, 4, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           device=device)
+    emb.store = CachedRows(emb.host, torch.device(device), 1, admission=admission)
+    for ids in ([0, 0, 0], [0], [5]):  # frequencies count steps: row 0 ends at 2
+        emb(torch.tensor(ids, device=device)).sum().backward()
+        emb.step()
+    stats = emb.cache_stats()
+    kept = admission == "frequency"
+    assert int(emb.store.id_of[0]) == (0 if kept else 5)
+    assert (stats["direct_writebacks"], stats["evictions"]) == ((1, 0) if kept else (0, 1))
+    with pytest.raises(ValueError, match="admission"):
+        emb.store.admission = "lru"
