@@ -382,10 +382,11 @@ class CachedRows(HostRows):
     def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> tuple:
         """Choose the slots the misses take: the least-frequently used slots this step does not
         use, the coldest for the first misses; a miss is admitted when its row is accessed at
-        least as often as its victim's. The victims' rows (final: this step does not use them)
-        go back to the host (queued on the lane, beside the step's training kernels); their
-        slots are overwritten at commit, after the lane joins. Returns (victims, the staged
-        positions of the first k misses, their ids, admitted, the victims' rows, evicted)."""
+        least as often as its victim's (``admission="always"``: whenever such a slot is left).
+        The victims' rows (final: this step does not use them) go back to the host (queued on
+        the lane, beside the step's training kernels); their slots are overwritten at commit,
+        after the lane joins. Returns (victims, the staged positions of the first k misses,
+        their ids, admitted, the victims' rows, evicted, the number evicted)."""
         k = min(d.n, self.slots)
         occupied = self.id_of[: self.slots] >= 0
         prio = torch.where(occupied, self.freq[self.id_of[: self.slots].clamp(min=0)],
@@ -472,17 +473,20 @@ class CachedRows(HostRows):
     def discard(self) -> None:
         """Forget the staged rows (a read-only forward): the rows evicted at stage were written
         back but keep their slots, so the cache and the host agree on them."""
+        self._drop_staged()
+        super().discard()
+
+    def _drop_staged(self) -> None:
+        """Before a staged step is dropped (never committed): its lane work joins, and the
+        victims it wrote back at stage are counted."""
         if self._staged is not None:
             self._join()
-            self.stats[3] += self._staged[-1][-1][0]  # the victims written back at stage
-        super().discard()
+            self.stats[3] += self._staged[-1][-1][0]
 
     def reset(self) -> None:
         """The host table is about to be rewritten: the cached copies are dropped, not written
         back."""
-        if self._staged is not None:  # its victims were written back at stage
-            self._join()
-            self.stats[3] += self._staged[-1][-1][0]
+        self._drop_staged()
         self._join()
         super().reset()
         self.slot_of.fill_(-1)
