@@ -41,14 +41,14 @@ row).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from .. import ops
 from .plan import Plan
-from .stores import RowStore, on_stream
+from .stores import RowStore, on_stream, wait_for
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
@@ -80,6 +80,20 @@ def _find(ids: Tensor, of: "Distinct") -> tuple:
     key = torch.where(of.valid, of.ids, torch.iinfo(torch.int64).max)  # ascending
     at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
     return key[at] == ids, at
+
+
+class Victims(NamedTuple):
+    """A step's admission decisions (made at stage, applied at commit): the victim slots (the
+    coldest unused ones, coldest first), the staged positions of the first k misses paired with
+    them and their ids, which are admitted, the rows the victim slots held, which of those were
+    evicted, and how many (one int64 on the device)."""
+    slots: Tensor
+    first: Tensor
+    miss_ids: Tensor
+    admit: Tensor
+    old: Tensor
+    evict: Tensor
+    evicted: Tensor
 
 
 class Prefetched:
@@ -256,14 +270,12 @@ class HostRows:
         caller's to wait for)."""
         self._staged = None
         self.drop_prefetch()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        wait_for(self.device)
 
     def flush(self) -> None:
         """Make the host table complete: it is once the queued write-backs ran (waits for the
         GPU)."""
-        if self.device.type == "cuda":  # the host reads the table next
-            torch.cuda.current_stream(self.device).synchronize()
+        wait_for(self.device)  # the host reads the table next
 
     def cached_bytes(self) -> int:
         return 0
@@ -370,23 +382,22 @@ class CachedRows(HostRows):
                 self._move(buf.unbind(0), miss_rows, order, misses, load=True,
                            sms=self._lane_sms)
                 loaded = self._lane_event()
-            admission = self._evict(d, at, order, misses)
-            lane.append(admission)
+            victims = self._evict(d, at, order, misses)
+            lane.append(victims)
             self._lane_done = self._lane_event()
         if loaded is not None:
             torch.cuda.current_stream(self.device).wait_event(loaded)
-        self._staged = (d, buf, at, order, misses, admission)
+        self._staged = (d, buf, at, order, misses, victims)
         self._lane_uses = lane
         return buf, d
 
-    def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> tuple:
+    def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> Victims:
         """Choose the slots the misses take: the least-frequently used slots this step does not
         use, the coldest for the first misses; a miss is admitted when its row is accessed at
         least as often as its victim's (``admission="always"``: whenever such a slot is left).
         The victims' rows (final: this step does not use them) go back to the host (queued on
         the lane, beside the step's training kernels); their slots are overwritten at commit,
-        after the lane joins. Returns (victims, the staged positions of the first k misses,
-        their ids, admitted, the victims' rows, evicted, the number evicted)."""
+        after the lane joins."""
         k = min(d.n, self.slots)
         occupied = self.id_of[: self.slots] >= 0
         prio = torch.where(occupied, self.freq[self.id_of[: self.slots].clamp(min=0)],
@@ -407,11 +418,11 @@ class CachedRows(HostRows):
         evicted = evict.sum().view(1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
                    sms=self._lane_sms)
-        return victims, first, miss_ids, admit, old, evict, evicted
+        return Victims(victims, first, miss_ids, admit, old, evict, evicted)
 
     def commit(self) -> None:
-        d, buf, at, order, misses, admission = self._take()
-        victims, first, miss_ids, admit, old, evict, evicted = admission
+        d, buf, at, order, misses, (victims, first, miss_ids, admit, old, evict, evicted) = \
+            self._take()
         self._join()  # the evicted rows are on the host: their slots can be overwritten
         self.stats[3] += evicted[0]
         scratch = self.slots
@@ -477,17 +488,16 @@ class CachedRows(HostRows):
         super().discard()
 
     def _drop_staged(self) -> None:
-        """Before a staged step is dropped (never committed): its lane work joins, and the
-        victims it wrote back at stage are counted."""
+        """Before a staged step is dropped (never committed): the lane joins, and the victims
+        the step wrote back at stage are counted."""
+        self._join()
         if self._staged is not None:
-            self._join()
-            self.stats[3] += self._staged[-1][-1][0]
+            self.stats[3] += self._staged[-1].evicted[0]
 
     def reset(self) -> None:
         """The host table is about to be rewritten: the cached copies are dropped, not written
         back."""
         self._drop_staged()
-        self._join()
         super().reset()
         self.slot_of.fill_(-1)
         self.id_of.fill_(-1)
@@ -506,8 +516,7 @@ class CachedRows(HostRows):
         rows, order = torch.sort(key)
         count = (ids >= 0).sum().view(1)
         self._move(self.cache.unbind(0), rows, order, count, load=False)
-        if self.device.type == "cuda":  # the host reads the table next
-            torch.cuda.current_stream(self.device).synchronize()
+        wait_for(self.device)  # the host reads the table next
 
 
 class CachedPositions(RowStore):

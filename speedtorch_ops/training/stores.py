@@ -71,9 +71,14 @@ class RowStore:
         """Before the host reads the tables (or, with `writing`, writes them): wait for the
         store's own transfers and drop what a write would make stale. Here: write-backs queued
         on the current stream of a GPU (they would land after the host's read or write)."""
-        device = getattr(self, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        wait_for(self.device)
+
+
+def wait_for(device: torch.device) -> None:
+    """The host waits for the work queued so far on the current stream of `device` (on the
+    CPU there is none)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 @contextlib.contextmanager
