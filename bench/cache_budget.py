@@ -58,7 +58,8 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
                admission="frequency"):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
-    each step prefetching the next batch's rows (HostEmbedding.prefetch); overlap: the caches'
+    each step prefetching the next batch's rows (HostEmbedding.prefetch), "graph-prefetch": both
+    (the captured step takes the next batch's ids as inputs); overlap: the caches'
     misses load and their evicted rows go back on a side stream beside the training kernels
     (else all in order on one stream), their transfer kernels on at most lane_sms SMs."""
     run.set_cache_mb(budget_mb)
@@ -66,8 +67,8 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
             emb.store.admission = admission
-    run.graphed = mode == "graph"
-    run.prefetching = mode == "prefetch"
+    run.graphed = mode in ("graph", "graph-prefetch")
+    run.prefetching = mode in ("prefetch", "graph-prefetch")
 
     def step(i):
         run.step(batches[i % len(batches)], batches[(i + 1) % len(batches)])
@@ -113,15 +114,14 @@ def profile_steps(a, run, batches, device) -> None:
     per op, top 25, and a Chrome trace (profile_trace.json in --out; a graph replay's kernels
     appear one by one, on their streams)."""
     from torch.profiler import ProfilerActivity, profile
-    mode = "eager" if a.modes[0] == "prefetch" else a.modes[0]
     run_budget(argparse.Namespace(**{**vars(a), "warmup": 0, "steps": 1}), run, batches, device,
-               a.profile, mode, a.overlap[0] == "on", a.lane_sms[0], a.admission)
+               a.profile, a.modes[0], a.overlap[0] == "on", a.lane_sms[0], a.admission[0])
     for i in range(30):
-        run.step(batches[i % len(batches)])
+        run.step(batches[i % len(batches)], batches[(i + 1) % len(batches)])
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(10):
-            run.step(batches[(30 + i) % len(batches)])
+        for i in range(30, 40):
+            run.step(batches[i % len(batches)], batches[(i + 1) % len(batches)])
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
@@ -142,19 +142,24 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--fused", action="store_true")
     p.add_argument("--budgets", type=float, nargs="+", default=[0, 300, 600, 1200, 2400])
-    p.add_argument("--modes", nargs="+", choices=["graph", "eager", "prefetch"],
-                   default=["graph", "eager", "prefetch"],
+    p.add_argument("--modes", nargs="+",
+                   choices=["graph", "eager", "prefetch", "graph-prefetch"],
+                   default=["graph", "graph-prefetch", "eager", "prefetch"],
                    help="graph: the step captured in a CUDA graph (speedtorch_ops.CapturedStep); "
                         "eager: launched op by op; prefetch: eager, the next batch's rows "
-                        "loading on a side stream during each step (HostEmbedding.prefetch)")
+                        "loading on a side stream during each step (HostEmbedding.prefetch); "
+                        "graph-prefetch: both")
     p.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
                    help="with a cache: transfers on a side stream beside the training kernels "
                         "(on), or all in order on one stream (off); both: one run each")
     p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
                    help="with overlap: the most SMs of the side stream's transfer kernels (0: "
                         "all); several: one run each")
-    p.add_argument("--admission", choices=["frequency", "always"], default="frequency",
-                   help="the caches' admission rule (speedtorch_ops.training.cache.CachedRows)")
+    p.add_argument("--admission", nargs="+", choices=["frequency", "always"],
+                   default=["frequency"],
+                   help="with a cache: the caches' admission rule "
+                        "(speedtorch_ops.training.cache.CachedRows); several: one run each, in "
+                        "this order (a rule named twice runs twice)")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
@@ -173,9 +178,10 @@ def main() -> None:
         for mode in a.modes:
             for overlap in (a.overlap if b > 0 else ["on"]):
                 for sms in (a.lane_sms if b > 0 and overlap == "on" else [0]):
-                    rows.append(run_budget(a, run, batches, device, b, mode, overlap == "on",
-                                           sms, a.admission))
-                    print(rows[-1], flush=True)
+                    for admission in (a.admission if b > 0 else a.admission[:1]):
+                        rows.append(run_budget(a, run, batches, device, b, mode,
+                                               overlap == "on", sms, admission))
+                        print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
     base = float("nan")
@@ -195,10 +201,10 @@ def main() -> None:
     print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
           f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
           f"{base:.1f} steps/s")
-    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>4} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>4} {'admit':>9} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or '-'):>4} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or '-'):>4} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
@@ -215,10 +221,13 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in a.modes:
         for overlap in a.overlap:
-            mine = [r for r in rows if r["mode"] == mode and
-                    (r["overlap"] == (overlap == "on") or r["budget_mb"] == 0)]
-            ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o-",
-                    label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap})")
+            for admission in dict.fromkeys(a.admission):
+                mine = [r for r in rows if r["mode"] == mode and r["budget_mb"] == 0 or
+                        r["mode"] == mode and r["overlap"] == (overlap == "on") and
+                        r["admission"] == admission]
+                ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
+                        label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap}, "
+                              f"admission {admission})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")

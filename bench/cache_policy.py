@@ -8,7 +8,7 @@ the full 4 M-row vocabulary fits on a laptop; the policy is the same tensor code
 With --prefetch, each step also prefetches the next batch (as HostEmbedding.prefetch does, after
 the forward and before the commit), with no cache and with the cache: of the rows that cross
 the host link per step, how many load ahead (off the step's critical path) and how many still
-load in the step; and how many the step copies from the previous step's buffer instead.
+load in the step; and how many rows the prefetches loaded in all.
 
     python3 bench/cache_policy.py --slots 681338 --steps 190 600 --batches 120
     python3 bench/cache_policy.py --slots 681338 --steps 190 --prefetch
@@ -90,21 +90,19 @@ def main() -> None:
 
 
 def prefetch_split(a, batches) -> None:
-    """Per step, with each step prefetching the next: distinct rows, hits, host loads (of them
-    loaded ahead, the rest in the step), rows copied from the previous step's buffer."""
+    """Per step, with each step prefetching the next: distinct rows, hits, host loads (misses:
+    of them loaded ahead, the rest in the step), rows the prefetches loaded (taken or not)."""
     steps = max(a.steps)
     table = torch.zeros(a.vocab, 1, 1)
     for slots in (0, a.slots):
         store = (CachedRows(table, torch.device("cpu"), slots, aging_steps=a.aging) if slots
                  else HostRows(table, torch.device("cpu")))
         d = [x / (steps - a.warmup) for x in simulate(store, batches, steps, a.warmup, True)]
-        lookups, hits, loads, ahead, reused = d[0], d[1], d[2], d[5], d[6]
+        lookups, hits, loads, ahead, prefetched = d[0], d[1], d[2], d[5], d[6]
         print(f"prefetch, {'no cache' if not slots else f'{slots:,} slots'}, steps "
               f"{a.warmup}-{steps}, per step: {lookups:,.0f} distinct rows, {hits:,.0f} hits, "
-              f"{reused:,.0f} copied from the previous step, {loads:,.0f} host loads: "
-              f"{ahead:,.0f} ahead ({ahead / max(loads, 1):.3f}), {loads - ahead:,.0f} in the "
-              f"step")
-
+              f"{loads:,.0f} host loads: {ahead:,.0f} ahead ({ahead / max(loads, 1):.3f}), "
+              f"{loads - ahead:,.0f} in the step; {prefetched:,.0f} rows prefetched")
 
 if __name__ == "__main__":
     main()

@@ -106,6 +106,8 @@ class _HostRowsModule(nn.Module):
                 _normal_init(self._table("weight"))
             self._fill_state()
         self.store = self._make_store(cache_bytes)
+        self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=self.dtype,
+                                    device=self.device)
         self._staged = None
         self.steps = 0  # step() calls so far
 
@@ -158,11 +160,7 @@ class _HostRowsModule(nn.Module):
         plan = self._plan(tensors)
         buf, distinct = self.store.stage(plan)
         training = torch.is_grad_enabled() and self.training
-        with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
-            self._rows.set_(self.layout.of_staged(buf, "weight"))
-        state = self.optimizer.state[self._rows]
-        for key in self.state_keys:
-            state[key] = self.layout.of_staged(buf, key)
+        self._point_at(buf)
         self._rows.grad = None
         rows = self._rows.index_select(0, distinct.inverse)  # backward: an index_add, no wait
         if training:
@@ -171,6 +169,17 @@ class _HostRowsModule(nn.Module):
             self.store.discard()
         return rows, shapes
 
+    def _point_at(self, buf: Tensor) -> None:
+        """The optimizer's parameter and its per-row state become views of `buf` (parts, n,
+        width): a step's staged rows, or no rows once the step is done, so the step's buffer
+        goes back to the allocator (a CUDA graph's capture cannot reuse it, and within a tight
+        GPU budget it needs the room)."""
+        with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
+            self._rows.set_(self.layout.of_staged(buf, "weight"))
+        state = self.optimizer.state[self._rows]
+        for key in self.state_keys:
+            state[key] = self.layout.of_staged(buf, key)
+
     def _plan(self, tensors: list) -> Plan:
         """One plan for the ids of all `tensors` of a step."""
         if self.device.type == "cuda" and all(t.device == self.device for t in tensors):
@@ -178,11 +187,7 @@ class _HostRowsModule(nn.Module):
             # be captured in a CUDA graph (with bounds_check="prechecked").
             flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else \
                 tensors[0].reshape(-1)
-            plan = Plan.on_device(flat, self.bounds_check)
-            # A prefetch of these very tensors, unmodified since, matches them (no wait). The
-            # plan holds them: a freed tensor's address could come back with other ids.
-            plan.source = tuple((t, t._version) for t in tensors)
-            return plan
+            return Plan.on_device(flat, self.bounds_check)
         if len(tensors) == 1:
             flat = tensors[0].reshape(-1)
         elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
@@ -193,14 +198,16 @@ class _HostRowsModule(nn.Module):
         return Plan(flat, self.device)
 
     def prefetch(self, ids, *more_ids) -> None:
-        """Start loading the rows of the next step's ids (the id tensors its forward will take,
-        the same values) while this step computes: call it after this step's forward, before
-        its backward. On a GPU the rows travel on a side stream, overlapping this step's
-        backward, update and commit; the next forward of the same ids uses them and loads only
-        what this step's commit changed (rows of this step that it wrote back, rows it evicted).
-        A forward of other ids drops the prefetch (nothing wrong happens: its bytes are wasted).
-        Ids are checked here: a bad id raises and nothing is loaded. Device ids match the next
-        forward's when they are the same tensors, unmodified. Not inside a CUDA graph capture."""
+        """Start loading the rows of the next step's ids (the id tensors its forward will take)
+        while this step computes: call it after this step's forward, before its ``step()``
+        (or between steps). On a GPU the rows travel on a side stream, overlapping this step's
+        backward, update and commit; the next forward takes each row whose id it finds at the
+        same place in the sorted distinct ids (compared on the device, so ids on the GPU need
+        no wait), and loads the rest (rows this step's commit wrote back or evicted, ids the
+        prefetch did not name). Other ids waste the prefetch's bytes and change nothing else.
+        Ids are checked here: a bad id raises and nothing is loaded. Inside a captured step
+        (``CapturedStep``), between the forward and ``step()``: pass the next step's ids as
+        inputs of the step."""
         tensors = [torch.as_tensor(i) for i in (ids, *more_ids)]
         self.store.prefetch(self._plan(tensors))
 
@@ -218,6 +225,7 @@ class _HostRowsModule(nn.Module):
         self._rows.grad = None
         self._staged = None
         self.store.commit()
+        self._point_at(self._no_rows)
         self.steps += 1
 
     def _check_capturable(self) -> None:
@@ -259,19 +267,18 @@ class _HostRowsModule(nn.Module):
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
-        cache hits, rows loaded from the host (of which loaded ahead by ``prefetch``), rows
-        written back from the cache to make room (a read-only forward's too, whose rows stay
-        cached; counted once its step commits or is discarded), misses written straight back,
-        rows a prefetched step copied on the device from the step before it (lookups = hits +
-        host loads + those); the hit rate;
-        bytes moved over the host link (prefetches a forward of other ids dropped are not
-        counted)."""
-        lookups, hits, loads, evictions, direct, ahead, reused = (int(x) for x in
-                                                                  self.store.stats.tolist())
+        cache hits, rows taken from the host (misses; lookups = hits + host loads), of which a
+        ``prefetch`` had loaded ahead, rows prefetches loaded (taken or not), rows written back
+        from the cache to make room (a read-only forward's too, whose rows stay cached; counted
+        once its step commits or is discarded), misses written straight back; the hit rate;
+        bytes moved over the host link."""
+        lookups, hits, loads, evictions, direct, ahead, prefetched = (
+            int(x) for x in self.store.stats.tolist())
+        moved = loads - ahead + prefetched + evictions + direct
         return {"lookups": lookups, "hits": hits, "host_loads": loads, "evictions": evictions,
-                "direct_writebacks": direct, "prefetched_loads": ahead, "reused_rows": reused,
-                "hit_rate": hits / lookups if lookups else 0.0,
-                "host_bytes": self.host[0].nbytes * (loads + evictions + direct),
+                "direct_writebacks": direct, "prefetched_loads": ahead,
+                "prefetched_rows": prefetched, "hit_rate": hits / lookups if lookups else 0.0,
+                "host_bytes": self.host[0].nbytes * moved,
                 "cache_bytes": self.store.cached_bytes()}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

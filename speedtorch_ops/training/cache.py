@@ -29,14 +29,16 @@ take the step's rows, and the current stream joins it before commit returns, so 
 the training kernels keep the rest. Captured on the H100, this took a cached step from 241 to
 290 steps/s (``bench/cache_budget.py --overlap on off``).
 
-Prefetch (both stores): ``prefetch(plan)`` loads the coming step's rows that the host table will
-still hold unchanged when that step stages them (rows neither cached now nor in the staged
-step, whose commit may write them back), on a side stream, so the transfer overlaps the
-current step's backward, update and commit. The next ``stage`` of the same ids takes them, copies
-the rows it shares with the step staged at the prefetch from that step's updated buffer (on the
-device) and loads only the rest (rows evicted since); a prefetch of other ids, or one that a
-commit or a rewrite of the host table has overtaken, is dropped (a waste of bytes, never a wrong
-row).
+Prefetch (both stores): ``prefetch(plan)``, called while a step is staged (between its forward
+and its commit) or between steps, loads the coming step's rows that the host table will still
+hold unchanged when that step stages them (rows neither cached now nor in the staged step, whose
+commit may write them back) into the store's carry buffer, on a side stream, so the transfer
+overlaps the current step's backward, update and commit. The next ``stage`` takes a carried row
+where the carry holds the id of that very position (compared on the device: a prefetch of other
+ids wastes bytes, never gives a wrong row) and loads the other misses; every stage empties the
+carry. The carry keeps its addresses, so a step captured in a CUDA graph may prefetch the ids of
+the step after it: the replay's prefetch fills what the next replay takes. A staged step's commit
+joins its prefetch (a captured step holds the fork and the join).
 """
 
 from __future__ import annotations
@@ -96,17 +98,15 @@ class Victims(NamedTuple):
     evicted: Tensor
 
 
-class Prefetched:
-    """A coming step's rows loaded ahead: its plan, Distinct and buffer, which positions hold
-    their row (``loaded``), the event that marks the transfer done, and the number of commits
-    after which the rows are stale (``expires``: the host table changes at commits). ``staged``:
-    the buffer of the step staged when the prefetch began, which positions of this step share
-    its rows and where they sit in it; those rows are copied from it on the device."""
+class Carry:
+    """Rows a prefetch loaded for a coming step: ``buf`` (parts, n, *row), the distinct ids it
+    loaded them for (``ids``, by position, as ``Distinct`` orders them) and which positions hold
+    their row (``loaded``). A store keeps one and reuses it for prefetches of the same size."""
 
-    def __init__(self, plan: Plan, d: "Distinct", buf: Tensor, loaded: Tensor, done,
-                 expires: int, staged: Optional[tuple]):
-        self.plan, self.d, self.buf, self.loaded = plan, d, buf, loaded
-        self.done, self.expires, self.staged = done, expires, staged
+    def __init__(self, like: Tensor, n: int):
+        self.buf = like.new_empty((like.shape[0], n, *like.shape[2:]))
+        self.ids = torch.full((n,), -1, dtype=torch.int64, device=like.device)
+        self.loaded = torch.zeros(n, dtype=torch.bool, device=like.device)
 
 
 class HostRows:
@@ -119,13 +119,14 @@ class HostRows:
         self.parts = host.shape[1]
         self.row_shape = tuple(host.shape[2:])
         self._staged: Optional[tuple] = None
-        # lookups, hits, host loads, evictions, direct write-backs; of the loads, those a
-        # prefetch did; rows a prefetched step copied from the step before it on the device
+        # lookups, hits, misses (rows a stage took from the host, now or ahead), evictions,
+        # direct write-backs; of the misses, those a prefetch had loaded; rows prefetches loaded
+        # (taken or not)
         self.stats = torch.zeros(7, dtype=torch.int64, device=self.device)
-        self._commits = 0  # commits run eagerly; a graph's replays are not counted
-        self._graphed = False  # a step of this store was captured: prefetch is off
-        self._prefetched: Optional[Prefetched] = None
+        self._carry: Optional[Carry] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ahead_done = None  # the event after the last prefetch's transfer
+        self._ahead_uses: list = []  # what that transfer reads, alive until it is joined
 
     def _buffer(self, n: int) -> Tensor:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
@@ -139,47 +140,44 @@ class HostRows:
     def stage(self, plan: Plan) -> tuple:
         """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
         plan.check(self.host.shape[0])
-        pre = self._take_prefetch(plan)
-        if pre is None:
-            d = Distinct(plan)
-            buf = self._buffer(d.n)
+        self._join_ahead()
+        d = Distinct(plan)
+        buf = self._buffer(d.n)
+        carried = self._take_carry(buf, d, d.valid)
+        if carried is None:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
-            self.stats[2] += d.count[0]
         else:
-            d, buf = pre.d, pre.buf
-            self.stats[2] += self._complete(pre, d.valid)
+            self._load(buf, d, d.valid & ~carried)
         self.stats[0] += d.count[0]
+        self.stats[2] += d.count[0]
         self._staged = (d, buf)
         return buf, d
 
-    def _load(self, buf: Tensor, d: "Distinct", which: Tensor) -> None:
-        """Load the rows of the positions `which` of `d` into `buf` (ascending ids)."""
+    def _load(self, buf: Tensor, d: "Distinct", which: Tensor, sms: int = 0) -> tuple:
+        """Load the rows of the positions `which` of `d` into `buf` (ascending ids); returns what
+        the transfer reads (to keep alive while it runs on another stream)."""
         order = torch.argsort((~which).to(torch.int8), stable=True)
-        self._move(buf.unbind(0), d.ids[order], order, which.sum().view(1), load=True)
+        rows, count = d.ids[order], which.sum().view(1)
+        self._move(buf.unbind(0), rows, order, count, load=True, sms=sms)
+        return order, rows, count
 
-    def _complete(self, pre: Prefetched, miss: Tensor) -> Tensor:
-        """Fill the positions `miss` (rows not cached) of a prefetched buffer that the prefetch
-        did not load: rows of the step staged at the prefetch from that step's buffer (on the
-        device: its updates are final), the rest (rows a commit wrote back since, e.g.
-        evicted) from the host."""
-        d, buf, need = pre.d, pre.buf, miss & ~pre.loaded
-        if pre.staged is not None:
-            old_buf, shared, at = pre.staged
-            shared = shared & need
-            self._take_rows(buf, old_buf, at, shared)
-            need &= ~shared
-            self.stats[6] += shared.sum()
-        self._load(buf, d, need)
-        ahead = (miss & pre.loaded).sum()
-        self.stats[5] += ahead
-        return need.sum() + ahead  # rows over the host link
-
-    def _take_rows(self, buf: Tensor, src: Tensor, at: Tensor, which: Tensor) -> None:
-        """Position i of `buf` takes row at[i] of `src` (both (parts, rows, *row)) where
-        which[i]; the other positions keep theirs (on the device, no wait)."""
-        take = which.view(-1, *[1] * len(self.row_shape))
-        for part, rows in zip(src, buf):
-            torch.where(take, part.index_select(0, at), rows, out=rows)
+    def _take_carry(self, buf: Tensor, d: "Distinct", miss: Tensor) -> Optional[Tensor]:
+        """The positions of `miss` whose row the carry holds (a prefetch loaded it for this very
+        id), copied into `buf` on the device; None when there is no carry of this size. The
+        carry is emptied either way: the rows this step commits may change."""
+        carry = self._carry
+        if carry is None:
+            return None
+        if carry.ids.numel() != d.n:
+            carry.loaded.zero_()
+            return None
+        take = miss & carry.loaded & (carry.ids == d.ids)
+        keep = take.view(-1, *[1] * len(self.row_shape))
+        for part, rows in zip(carry.buf, buf):
+            torch.where(keep, part, rows, out=rows)
+        carry.loaded.zero_()
+        self.stats[5] += take.sum()
+        return take
 
     def _cached(self, ids: Tensor) -> Optional[Tensor]:
         """Whether each row of `ids` is held on the device (None: this store holds none)."""
@@ -187,70 +185,58 @@ class HostRows:
 
     def prefetch(self, plan: Plan) -> None:
         """Start loading the rows of `plan`, the ids of a coming step, that the host table will
-        still hold unchanged when that step stages them (see the module docstring). On a GPU the
-        transfer runs on a side stream after the work queued so far; nothing waits."""
+        still hold unchanged when that step stages them, into the carry (see the module
+        docstring). On a GPU the transfer runs on a side stream after the work queued so far;
+        nothing waits. Inside a CUDA graph capture only while a step is staged (its commit
+        joins the transfer)."""
         plan.check(self.host.shape[0])
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("prefetch cannot run inside a CUDA graph capture (the rows it "
-                               "loads feed the next step, outside the graph); prefetch eagerly")
-        if self._graphed:
-            raise RuntimeError("prefetch: this table's steps were captured in a CUDA graph, whose "
-                               "replays commit rows without Python, so a prefetch cannot know "
-                               "what they change; prefetch only tables trained eagerly")
-        self.drop_prefetch()
+        if (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                and self._staged is None):
+            raise RuntimeError("prefetch inside a CUDA graph capture: call it between the "
+                               "step's forward and its step() (the step's commit joins the "
+                               "transfer, so the graph holds it whole)")
+        self._join_ahead()  # an earlier prefetch, never taken, is overwritten
         d = Distinct(plan)
-        buf = self._buffer(d.n)
         want = d.valid.clone()
         cached = self._cached(d.ids)
         if cached is not None:
             want &= ~cached
-        # The staged step's rows (its commit may write them back) are copied from its buffer
-        # at stage; a step of no rows has none to copy.
-        staged = None
+        # The staged step's commit may write its rows back: the next stage loads them.
         if self._staged is not None and self._staged[0].n:
-            old, old_buf = self._staged[:2]
-            staged = (old_buf, *_find(d.ids, old))
-            want &= ~staged[1]
-        with on_stream(self._side, self.device, buf, d.ids, want):
-            self._load(buf, d, want)
-            done = self._side.record_event() if self._side is not None else None
-        expires = self._commits + (1 if self._staged is not None else 0)
-        self._prefetched = Prefetched(plan, d, buf, want, done, expires, staged)
+            want &= ~_find(d.ids, self._staged[0])[0]
+        if self._carry is None or self._carry.ids.numel() != d.n:
+            self._carry = Carry(self._buffer(0), d.n)
+        carry = self._carry
+        with on_stream(self._side, self.device):
+            carry.ids.copy_(d.ids)
+            carry.loaded.copy_(want)
+            uses = self._load(carry.buf, d, want, sms=self._ahead_sms)
+            self._ahead_done = self._side.record_event() if self._side is not None else None
+        self._ahead_uses = [d, want, *uses]
+        self.stats[6] += want.sum()
 
-    def _take_prefetch(self, plan: Plan) -> Optional[Prefetched]:
-        """The prefetch, if it loaded `plan`'s ids and nothing overtook it; the current stream
-        then waits for its transfer. Any other prefetch is dropped."""
-        pre = self._prefetched
-        if pre is None:
-            return None
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # A graph cannot wait for an event recorded outside it: the prefetch stays (alive)
-            # and the next eager stage drops it (the store is graphed from now on).
-            self._graphed = True
-            return None
-        self.drop_prefetch()
-        if self._graphed or pre.expires != self._commits or not pre.plan.matches(plan):
-            return None
-        return pre
+    _ahead_sms = 0  # SMs of the prefetch's transfer kernels (0: the process-wide cap)
 
-    def _counted_commit(self) -> None:
-        self._commits += 1
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self._graphed = True
+    def _join_ahead(self) -> None:
+        """The current stream waits for the last prefetch's transfer (its carry may then be read
+        or rewritten, what it read freed)."""
+        if self._ahead_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
+        self._ahead_done, self._ahead_uses = None, []
 
     def drop_prefetch(self) -> None:
-        """Forget the prefetch; the current stream waits for its transfer first, so its buffers
-        return to the allocator only after the side stream is done with them."""
-        pre, self._prefetched = self._prefetched, None
-        if pre is not None and pre.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(pre.done)
+        """Forget what a prefetch loaded (after its transfer, which the current stream waits
+        for)."""
+        self._join_ahead()
+        if self._carry is not None:
+            self._carry.loaded.zero_()
 
     def commit(self) -> None:
         """Write the staged rows (updated in place) back."""
         d, buf = self._take()
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
         self.stats[4] += d.count[0]  # every staged row goes straight back
-        self._counted_commit()
+        self._join_ahead()
 
     def _take(self) -> tuple:
         if self._staged is None:
@@ -347,41 +333,39 @@ class CachedRows(HostRows):
     def stage(self, plan: Plan) -> tuple:
         plan.check(self.host.shape[0])
         self._join()  # a step's transfers are done before the next one stages
-        pre = self._take_prefetch(plan)
-        d = Distinct(plan) if pre is None else pre.d
+        self._join_ahead()
+        d = Distinct(plan)
         n, scratch = d.n, self.slots
         slot = self.slot_of[d.ids].long()
         hit = d.valid & (slot >= 0)
         miss = d.valid & (slot < 0)
         self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
-        # Hits from the cache (every other entry reads the scratch slot), misses from the host.
+        # Hits from the cache (every other entry reads the scratch slot), misses from the host
+        # or the carry.
         at = torch.where(hit, slot, scratch)
         order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
         misses = miss.sum().view(1)
         self.stats[0] += d.count[0]
         self.stats[1] += hit.sum()
+        self.stats[2] += misses[0]
+        buf = self._buffer(n)
+        for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
+            torch.index_select(part, 0, at, out=rows)
+        carried = self._take_carry(buf, d, miss)
         # The lane's work reads these (and allocates what it makes): they stay alive until it
         # joins the current stream at commit.
-        lane: list = [d, at, order, misses]
-        loaded = None
-        if pre is None:
-            buf = self._buffer(n)
-            for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
-                torch.index_select(part, 0, at, out=rows)
-            miss_rows = d.ids[order]
-            lane += [buf, miss_rows]
-            self.stats[2] += misses[0]
-        else:  # the prefetched rows stay; hits come from the cache, the other misses now
-            buf = pre.buf
-            self._take_rows(buf, self.cache, at, hit)
-            self.stats[2] += self._complete(pre, miss)
+        lane: list = [d, at, order, misses, buf]
         # On the lane, in order: the misses load (the current stream waits only for them), the
         # victims are chosen and evicted while the step goes on (e.g. another table stages).
         with self._on_lane():
-            if pre is None:
+            if carried is None:
+                miss_rows = d.ids[order]
                 self._move(buf.unbind(0), miss_rows, order, misses, load=True,
                            sms=self._lane_sms)
-                loaded = self._lane_event()
+                lane.append(miss_rows)
+            else:
+                lane += [carried, *self._load(buf, d, miss & ~carried, sms=self._lane_sms)]
+            loaded = self._lane_event()
             victims = self._evict(d, at, order, misses)
             lane.append(victims)
             self._lane_done = self._lane_event()
@@ -452,11 +436,11 @@ class CachedRows(HostRows):
         self.id_of.index_copy_(0, torch.where(admit, victims, dump_slot),
                                torch.where(admit, miss_ids, -1))
         self.stats[4] += rest_count[0]
-        self._counted_commit()
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         self._age += 1
         self.freq.mul_(torch.where(self._age % self.aging_steps == 0, 0.5, 1.0))
         self._join()
+        self._join_ahead()
 
     @property
     def _lane(self):
@@ -465,6 +449,10 @@ class CachedRows(HostRows):
     @property
     def _lane_sms(self) -> int:
         return self.lane_sms if self._lane is not None else 0
+
+    @property
+    def _ahead_sms(self) -> int:  # a prefetch runs beside the training kernels like the lane
+        return self._lane_sms
 
     def _on_lane(self):
         """Work queued inside runs on the lane (after the work queued so far), or here and now

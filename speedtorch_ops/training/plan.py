@@ -65,7 +65,6 @@ class Plan:
 
     def __init__(self, ids, device: torch.device):
         self.cpu = host_ids(ids)
-        self.source = None
         self.bounds_check = "raise"
         self.device = torch.device(device)
         self._index: Optional[Tensor] = None
@@ -81,7 +80,6 @@ class Plan:
         plan = cls.__new__(cls)
         plan.bounds_check = bounds_check
         plan.cpu = None
-        plan.source = None  # the (tensor, version) pairs they came from, for ``matches``
         plan.device = index.device
         plan._index = index.reshape(-1).to(torch.int64)
         plan._init_cache()
@@ -103,20 +101,6 @@ class Plan:
             return False
         x, y = self.cpu.numpy(), other.numpy()
         return bool((x[:8] == y[:8]).all()) and bool(np.array_equal(x, y))
-
-    def matches(self, other: "Plan") -> bool:
-        """Whether `other` holds these ids, decided without waiting for the GPU: host ids by
-        value; ids on a GPU only by where they came from (``source``, e.g. the same tensors,
-        unmodified), as their values would need a wait."""
-        if self.device != other.device:
-            return False
-        if self.cpu is not None and other.cpu is not None:
-            return other.same_ids(self.cpu)
-        # ``source``: (tensor, its version) pairs; the same tensor objects, written to since by
-        # neither (a view of them, e.g. a transpose, is another object).
-        if self.source is None or other.source is None or len(self.source) != len(other.source):
-            return False
-        return all(a is b and va == vb for (a, va), (b, vb) in zip(self.source, other.source))
 
     def check(self, rows: int, name: str = "ids") -> None:
         """Raise unless every id is in [0, rows). Host ids are checked on the host, where they

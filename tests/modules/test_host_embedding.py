@@ -346,3 +346,22 @@ def test_compiled_model_trains_like_eager(device, gen):
             head.zero_grad()
         results.append(emb.weight.cpu().clone())
     assert torch.allclose(results[0], results[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_a_finished_step_holds_no_staged_rows(name, gen):
+    """After step() the GPU holds what it held before the forward: the step's buffer of rows
+    and state went back to the allocator (a CUDA graph's capture cannot reuse a buffer the
+    module still holds, and within a tight budget it needs the room)."""
+    cls, kwargs = OPTIMIZERS[name]
+    emb = so.HostEmbedding(1000, 64, optimizer=cls, optimizer_kwargs=kwargs, device="cuda")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    for _ in range(3):
+        ids = torch.randint(0, 1000, (4096,), generator=gen).cuda()
+        emb(ids).square().sum().backward()
+        del ids
+        emb.step()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == held
