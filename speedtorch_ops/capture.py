@@ -23,7 +23,9 @@ qualify: a step never makes the host wait), optimizers built with ``capturable=T
 ids are checked on the host against ``rows`` before they are copied in, so the modules need not
 check them on the GPU (``bounds_check="prechecked"``). Returned tensors are the graph's own
 outputs, overwritten by the next call: clone what you keep. Anything that reallocates what the
-graph uses (``set_cache_bytes``, a new optimizer) needs a new ``CapturedStep``.
+graph uses (``set_cache_bytes``, a new optimizer) needs a new ``CapturedStep``. A step that
+fails inside the capture raises its own error; torch leaves the process's CUDA random generator
+unusable after a failed capture, so start a new process.
 """
 
 from __future__ import annotations
@@ -100,9 +102,22 @@ class CapturedStep:
             gc.collect()
             collecting = gc.isenabled()
             gc.disable()
+            failed = None
             try:
                 with torch.cuda.graph(graph):
-                    self._outputs = self.step(*self._inputs)
+                    try:
+                        self._outputs = self.step(*self._inputs)
+                    except BaseException as error:
+                        failed = error
+                        raise
+            except Exception as error:
+                # A step that fails after forking a side stream (e.g. out of memory, mid-step)
+                # makes the capture's end fail too ("unjoined work"), which would hide why.
+                # torch then leaves the CUDA random generator in capture mode (its next use
+                # fails): a process whose capture failed should start afresh.
+                if failed is not None and error is not failed:
+                    raise failed from error
+                raise
             finally:
                 if collecting:
                     gc.enable()

@@ -37,8 +37,10 @@ overlaps the current step's backward, update and commit. The next ``stage`` take
 where the carry holds the id of that very position (compared on the device: a prefetch of other
 ids wastes bytes, never gives a wrong row) and loads the other misses; every stage empties the
 carry. The carry keeps its addresses, so a step captured in a CUDA graph may prefetch the ids of
-the step after it: the replay's prefetch fills what the next replay takes. A staged step's commit
-joins its prefetch (a captured step holds the fork and the join).
+the step after it: the replay's prefetch fills what the next replay takes (the carry is made by
+the eager warm-up steps' prefetches; once a step is captured, a prefetch outside the graph
+raises). A staged step's commit joins its prefetch (a captured step holds the fork and the
+join); a prefetch between steps is joined by the next stage.
 """
 
 from __future__ import annotations
@@ -126,7 +128,11 @@ class HostRows:
         self._carry: Optional[Carry] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead_done = None  # the event after the last prefetch's transfer
+        self._ahead_captured = False  # that event belongs to a CUDA graph capture
         self._ahead_uses: list = []  # what that transfer reads, alive until it is joined
+        # A step of this store was captured in a CUDA graph: its replays take and refill the
+        # carry without Python, so a prefetch outside the graph would race with them.
+        self._graphed = False
 
     def _buffer(self, n: int) -> Tensor:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
@@ -140,6 +146,7 @@ class HostRows:
     def stage(self, plan: Plan) -> tuple:
         """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
         plan.check(self.host.shape[0])
+        self._graphed |= self._capturing()
         self._join_ahead()
         d = Distinct(plan)
         buf = self._buffer(d.n)
@@ -190,11 +197,16 @@ class HostRows:
         nothing waits. Inside a CUDA graph capture only while a step is staged (its commit
         joins the transfer)."""
         plan.check(self.host.shape[0])
-        if (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-                and self._staged is None):
+        capturing = self._capturing()
+        if capturing and self._staged is None:
             raise RuntimeError("prefetch inside a CUDA graph capture: call it between the "
                                "step's forward and its step() (the step's commit joins the "
                                "transfer, so the graph holds it whole)")
+        if self._graphed and not capturing:
+            raise RuntimeError("prefetch: this table's step was captured in a CUDA graph, whose "
+                               "replays take and refill the prefetched rows without Python; a "
+                               "prefetch outside the graph would race with them. Prefetch "
+                               "inside the captured step (between its forward and step())")
         self._join_ahead()  # an earlier prefetch, never taken, is overwritten
         d = Distinct(plan)
         want = d.valid.clone()
@@ -205,6 +217,10 @@ class HostRows:
         if self._staged is not None and self._staged[0].n:
             want &= ~_find(d.ids, self._staged[0])[0]
         if self._carry is None or self._carry.ids.numel() != d.n:
+            if capturing:  # a graph keeps the addresses it captured: the carry must exist
+                raise RuntimeError(f"prefetch inside a CUDA graph capture needs the buffer an "
+                                   f"eager prefetch of {d.n} ids makes: prefetch in the eager "
+                                   "warm-up steps too (CapturedStep's), with the same shapes")
             self._carry = Carry(self._buffer(0), d.n)
         carry = self._carry
         with on_stream(self._side, self.device):
@@ -212,6 +228,7 @@ class HostRows:
             carry.loaded.copy_(want)
             uses = self._load(carry.buf, d, want, sms=self._ahead_sms)
             self._ahead_done = self._side.record_event() if self._side is not None else None
+        self._ahead_captured = capturing
         self._ahead_uses = [d, want, *uses]
         self.stats[6] += want.sum()
 
@@ -221,8 +238,15 @@ class HostRows:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
         or rewritten, what it read freed)."""
         if self._ahead_done is not None:
+            if self._capturing() and not self._ahead_captured:
+                raise RuntimeError("a prefetch made outside this CUDA graph capture is still "
+                                   "loading: a graph cannot wait for it. Prefetch inside the "
+                                   "captured step only (between its forward and step())")
             torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
         self._ahead_done, self._ahead_uses = None, []
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def drop_prefetch(self) -> None:
         """Forget what a prefetch loaded (after its transfer, which the current stream waits
@@ -332,6 +356,7 @@ class CachedRows(HostRows):
 
     def stage(self, plan: Plan) -> tuple:
         plan.check(self.host.shape[0])
+        self._graphed |= self._capturing()
         self._join()  # a step's transfers are done before the next one stages
         self._join_ahead()
         d = Distinct(plan)

@@ -192,3 +192,41 @@ def test_capture_survives_garbage_pinned_tables(gen):
         gc.set_threshold(*old)
     assert graphed.graph is not None
     torch.cuda.synchronize()
+
+
+FAILING_CAPTURE = """
+import torch
+import speedtorch_ops as so
+
+side = torch.cuda.Stream()
+
+def step(ids):
+    out = torch.zeros(4, device="cuda").index_add_(0, ids % 4, torch.ones(ids.shape, device="cuda"))
+    if torch.cuda.is_current_stream_capturing():
+        side.wait_stream(torch.cuda.current_stream())  # a fork never joined
+        with torch.cuda.stream(side):
+            out.add_(1)
+        raise MemoryError("the step's own error")
+    return out
+
+captured = so.CapturedStep(step, rows=(10,), warmup=1)
+captured(torch.arange(6))
+try:
+    captured(torch.arange(6))
+except MemoryError as error:
+    print("raised:", type(error).__name__, error, "| graph:", captured.graph)
+"""
+
+
+@cuda_only
+def test_a_step_failing_inside_the_capture_raises_its_own_error():
+    """A step that fails after forking a side stream (as a prefetch or the cache's lane does)
+    also makes the capture's end fail; the step's own error is the one raised. In a process of
+    its own: torch leaves a failed capture's CUDA random generator unusable (seen on the H100:
+    the next nn.Linear failed with "Offset increment outside graph capture")."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], capture_output=True,
+                          text=True, timeout=300)
+    assert "raised: MemoryError the step's own error | graph: None" in done.stdout, (
+        done.stdout + done.stderr)
