@@ -61,12 +61,15 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     each step prefetching the next batch's rows (HostEmbedding.prefetch), "graph-prefetch": both
     (the captured step takes the next batch's ids as inputs); overlap: the caches'
     misses load and their evicted rows go back on a side stream beside the training kernels
-    (else all in order on one stream), their transfer kernels on at most lane_sms SMs."""
+    (else all in order on one stream), their transfer kernels on at most lane_sms SMs (without
+    a cache: the prefetch's, HostRows.ahead_sms)."""
     run.set_cache_mb(budget_mb)
     for emb in (run.u, run.v):
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
             emb.store.admission = admission
+        else:  # no cache: the SM cap of the prefetch's transfers
+            emb.store.ahead_sms = lane_sms
     run.graphed = mode in ("graph", "graph-prefetch")
     run.prefetching = mode in ("prefetch", "graph-prefetch")
 
@@ -101,6 +104,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
             "admission": admission if budget_mb > 0 else None,
             "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
+            "ahead_sms": lane_sms if budget_mb == 0 and run.prefetching else None,
             "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
             "oracle_hit_rate": oracle_hit_rate(used, slots, a.vocab) if slots[0] else 0.0,
@@ -155,6 +159,9 @@ def main() -> None:
     p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
                    help="with overlap: the most SMs of the side stream's transfer kernels (0: "
                         "all); several: one run each")
+    p.add_argument("--ahead-sms", type=int, nargs="+", default=[0],
+                   help="without a cache, with prefetch: the most SMs of the prefetch's transfer "
+                        "kernels (HostRows.ahead_sms; 0: no cap); several: one run each")
     p.add_argument("--admission", nargs="+", choices=["frequency", "always"],
                    default=["frequency"],
                    help="with a cache: the caches' admission rule "
@@ -177,7 +184,8 @@ def main() -> None:
     for b in a.budgets:
         for mode in a.modes:
             for overlap in (a.overlap if b > 0 else ["on"]):
-                for sms in (a.lane_sms if b > 0 and overlap == "on" else [0]):
+                for sms in (a.lane_sms if b > 0 and overlap == "on" else
+                            a.ahead_sms if b == 0 and "prefetch" in mode else [0]):
                     for admission in (a.admission if b > 0 else a.admission[:1]):
                         rows.append(run_budget(a, run, batches, device, b, mode,
                                                overlap == "on", sms, admission))
@@ -204,7 +212,7 @@ def main() -> None:
     print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>4} {'admit':>9} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or '-'):>4} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or r['ahead_sms'] or '-'):>4} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "

@@ -232,7 +232,15 @@ class HostRows:
         self._ahead_uses = [d, want, *uses]
         self.stats[6] += want.sum()
 
-    _ahead_sms = 0  # SMs of the prefetch's transfer kernels (0: the process-wide cap)
+    # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
+    # training kernels. The cache's lane measured best capped (16 of 132 on the H100); without a
+    # cache the prefetch is uncapped, and measured slower than no prefetch: a cap there has not
+    # been timed yet (bench/cache_budget.py --ahead-sms).
+    ahead_sms = 0
+
+    @property
+    def _ahead_sms(self) -> int:
+        return self.ahead_sms
 
     def _join_ahead(self) -> None:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
