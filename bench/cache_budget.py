@@ -113,6 +113,20 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
+def settings(a, budget_mb):
+    """(mode, overlap, SM cap, admission) of each run at this budget: without a cache the
+    overlap and admission have nothing to act on, and the SM cap is the prefetch's."""
+    for mode in a.modes:
+        if budget_mb == 0:
+            for sms in (a.ahead_sms if "prefetch" in mode else [0]):
+                yield mode, True, sms, a.admission[0]
+            continue
+        for overlap in a.overlap:
+            for sms in (a.lane_sms if overlap == "on" else [0]):
+                for admission in a.admission:
+                    yield mode, overlap == "on", sms, admission
+
+
 def profile_steps(a, run, batches, device) -> None:
     """torch.profiler over 10 steps at budget a.profile in the first of a.modes: the GPU time
     per op, top 25, and a Chrome trace (profile_trace.json in --out; a graph replay's kernels
@@ -182,14 +196,9 @@ def main() -> None:
     run = ModuleTraining(a, device)
     rows = []
     for b in a.budgets:
-        for mode in a.modes:
-            for overlap in (a.overlap if b > 0 else ["on"]):
-                for sms in (a.lane_sms if b > 0 and overlap == "on" else
-                            a.ahead_sms if b == 0 and "prefetch" in mode else [0]):
-                    for admission in (a.admission if b > 0 else a.admission[:1]):
-                        rows.append(run_budget(a, run, batches, device, b, mode,
-                                               overlap == "on", sms, admission))
-                        print(rows[-1], flush=True)
+        for mode, overlap, sms, admission in settings(a, b):
+            rows.append(run_budget(a, run, batches, device, b, mode, overlap, sms, admission))
+            print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
     base = float("nan")

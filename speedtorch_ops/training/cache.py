@@ -105,10 +105,11 @@ class Carry:
     loaded them for (``ids``, by position, as ``Distinct`` orders them) and which positions hold
     their row (``loaded``). A store keeps one and reuses it for prefetches of the same size."""
 
-    def __init__(self, like: Tensor, n: int):
-        self.buf = like.new_empty((like.shape[0], n, *like.shape[2:]))
-        self.ids = torch.full((n,), -1, dtype=torch.int64, device=like.device)
-        self.loaded = torch.zeros(n, dtype=torch.bool, device=like.device)
+    def __init__(self, buf: Tensor):
+        n = buf.shape[1]
+        self.buf = buf
+        self.ids = torch.full((n,), -1, dtype=torch.int64, device=buf.device)
+        self.loaded = torch.zeros(n, dtype=torch.bool, device=buf.device)
 
 
 class HostRows:
@@ -145,10 +146,7 @@ class HostRows:
 
     def stage(self, plan: Plan) -> tuple:
         """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
-        plan.check(self.host.shape[0])
-        self._graphed |= self._capturing()
-        self._join_ahead()
-        d = Distinct(plan)
+        d = self._begin_stage(plan)
         buf = self._buffer(d.n)
         carried = self._take_carry(buf, d, d.valid)
         if carried is None:
@@ -159,6 +157,14 @@ class HostRows:
         self.stats[2] += d.count[0]
         self._staged = (d, buf)
         return buf, d
+
+    def _begin_stage(self, plan: Plan) -> "Distinct":
+        """What every stage does first: check the ids, note a capture, join the prefetch (its
+        carry is read next); returns the plan's distinct ids."""
+        plan.check(self.host.shape[0])
+        self._graphed |= self._capturing()
+        self._join_ahead()
+        return Distinct(plan)
 
     def _load(self, buf: Tensor, d: "Distinct", which: Tensor, sms: int = 0) -> tuple:
         """Load the rows of the positions `which` of `d` into `buf` (ascending ids); returns what
@@ -172,18 +178,16 @@ class HostRows:
         """The positions of `miss` whose row the carry holds (a prefetch loaded it for this very
         id), copied into `buf` on the device; None when there is no carry of this size. The
         carry is emptied either way: the rows this step commits may change."""
-        carry = self._carry
+        carry, take = self._carry, None
         if carry is None:
             return None
-        if carry.ids.numel() != d.n:
-            carry.loaded.zero_()
-            return None
-        take = miss & carry.loaded & (carry.ids == d.ids)
-        keep = take.view(-1, *[1] * len(self.row_shape))
-        for part, rows in zip(carry.buf, buf):
-            torch.where(keep, part, rows, out=rows)
+        if carry.ids.numel() == d.n:
+            take = miss & carry.loaded & (carry.ids == d.ids)
+            keep = take.view(-1, *[1] * len(self.row_shape))
+            for part, rows in zip(carry.buf, buf):
+                torch.where(keep, part, rows, out=rows)
+            self.stats[5] += take.sum()
         carry.loaded.zero_()
-        self.stats[5] += take.sum()
         return take
 
     def _cached(self, ids: Tensor) -> Optional[Tensor]:
@@ -221,7 +225,7 @@ class HostRows:
                 raise RuntimeError(f"prefetch inside a CUDA graph capture needs the buffer an "
                                    f"eager prefetch of {d.n} ids makes: prefetch in the eager "
                                    "warm-up steps too (CapturedStep's), with the same shapes")
-            self._carry = Carry(self._buffer(0), d.n)
+            self._carry = Carry(self._buffer(d.n))
         carry = self._carry
         with on_stream(self._side, self.device):
             carry.ids.copy_(d.ids)
@@ -363,11 +367,8 @@ class CachedRows(HostRows):
         return self.slot_of[ids] >= 0
 
     def stage(self, plan: Plan) -> tuple:
-        plan.check(self.host.shape[0])
-        self._graphed |= self._capturing()
         self._join()  # a step's transfers are done before the next one stages
-        self._join_ahead()
-        d = Distinct(plan)
+        d = self._begin_stage(plan)
         n, scratch = d.n, self.slots
         slot = self.slot_of[d.ids].long()
         hit = d.valid & (slot >= 0)
