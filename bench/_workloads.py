@@ -2,6 +2,7 @@
 same job that they are compared with (the PCIe memcpy of the same bytes, the best plain-PyTorch
 recipe, the original SpeedTorch technique through CuPy)."""
 
+import os
 import time
 
 import torch
@@ -13,6 +14,24 @@ def generator(seed=None):
     """A CPU generator; by default seeded from the clock, so repeated runs draw new rows and a
     number that holds only for one draw shows up as run-to-run spread."""
     return torch.Generator().manual_seed(int(time.time()) if seed is None else seed)
+
+
+def add_seed_shape(parser):
+    """The seed workload's shape as arguments: --rows of the table, --batch rows moved, --dim
+    float32 values a row (the SpeedTorch README's 1 M x 128 table, 131,072 rows), and --out."""
+    parser.add_argument("--rows", type=int, default=1 << 20)
+    parser.add_argument("--batch", type=int, default=131072)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+
+
+def seed_workload(a):
+    """(pinned table, the same on the GPU, random CPU index) of the shape add_seed_shape parsed
+    into `a`, after making the output folder."""
+    os.makedirs(a.out, exist_ok=True)
+    g = generator()
+    table = pinned_table((a.rows, a.dim), g)
+    return table, table.to("cuda"), random_index(a.rows, a.batch, g)
 
 
 def random_index(rows, n, gen, order="random"):

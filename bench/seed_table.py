@@ -15,25 +15,17 @@ import torch
 
 import speedtorch_ops
 from _timing import timed
-from _workloads import cupy_paths, generator, pinned_table, pytorch_recipe, random_index
+from _workloads import add_seed_shape, cupy_paths, pytorch_recipe, seed_workload
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--rows", type=int, default=1 << 20)
-    p.add_argument("--batch", type=int, default=131072)
-    p.add_argument("--dim", type=int, default=128)
+    add_seed_shape(p)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--threads", type=int, nargs="+", default=[16, 2])
-    p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     a = p.parse_args()
-    os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
-    g = generator()
-
-    table = pinned_table((a.rows, a.dim), g)
-    gpu_table = table.to(dev)
-    idx_cpu = random_index(a.rows, a.batch, g)
+    table, gpu_table, idx_cpu = seed_workload(a)
     idx = idx_cpu.to(dev)
     var = torch.empty(a.batch, a.dim, device=dev)
     staging = torch.empty(a.batch, a.dim, pin_memory=True)

@@ -85,11 +85,13 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
 }
 
 BoundsCheck parse_bounds_check(c10::string_view mode) {
+  if (mode == "deferred") return BoundsCheck::kDeferred;
   if (mode == "raise") return BoundsCheck::kRaise;
   if (mode == "prechecked") return BoundsCheck::kPrechecked;
-  TORCH_CHECK(false, "bounds_check must be 'raise' (a bad index raises in the failing call) or "
-              "'prechecked' (the caller validated the indices: no wait, no error, a bad index "
-              "writes nothing), got '", mode, "'");
+  TORCH_CHECK(false, "bounds_check must be 'deferred' (no wait: a bad CUDA index raises at the "
+              "next call on its GPU), 'raise' (a bad index raises in the failing call, which "
+              "waits for the GPU) or 'prechecked' (the caller validated the indices: no wait, no "
+              "error), got '", mode, "'; a bad index writes nothing in every mode");
 }
 
 void check_accumulate_dtype(at::ScalarType dtype) {

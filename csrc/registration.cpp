@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
+#include "cuda/deferred.h"
 #include "cuda/hybrid/tuner.h"
 #include "cuda/launch.h"
 #endif
@@ -10,21 +11,22 @@
 TORCH_LIBRARY(speedtorch_ops, m) {
   // The transfer ops pass opcheck (schema, fake, autograd registration, AOT dispatch) and are
   // CUDA-graph capturable (tests/ops/test_compile.py), so they carry the PT2-compliant tag.
-  // Their keyword bounds_check is 'raise' or 'prechecked' (checks.h says what each does).
+  // Their keyword bounds_check is 'deferred', 'raise' or 'prechecked' (checks.h says what each
+  // does).
   const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
   // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
   // table for a CUDA index).
-  m.def("pinned_gather(Tensor table, Tensor index, *, str bounds_check='raise') -> Tensor", pt2);
+  m.def("pinned_gather(Tensor table, Tensor index, *, str bounds_check='deferred') -> Tensor", pt2);
   // The same into a caller-provided tensor: allocates nothing (training loops, CUDA graphs).
   m.def("pinned_gather_into(Tensor table, Tensor index, Tensor(a!) out, *, "
-        "str bounds_check='raise') -> ()", pt2);
+        "str bounds_check='deferred') -> ()", pt2);
   // table[index[i]] = src[i] in place (+= with accumulate); the last duplicate wins without it.
   m.def("pinned_scatter(Tensor(a!) table, Tensor index, Tensor src, bool accumulate=False, *, "
-        "str bounds_check='raise') -> ()", pt2);
+        "str bounds_check='deferred') -> ()", pt2);
   // For every pair k: write batch[k] to stores[k][writeback_index], then load
   // stores[k][load_index] into batch[k]. Either index may be None.
   m.def("optimizer_state_swap(Tensor(a!)[] stores, Tensor(b!)[] batch, Tensor? writeback_index, "
-        "Tensor? load_index, *, str bounds_check='raise') -> ()", pt2);
+        "Tensor? load_index, *, str bounds_check='deferred') -> ()", pt2);
   // For the stores (private): a batch's rows moved by ids the caller sorted once, for a table
   // whose rows are split into parts (a weight and its optimizer state side by side: table of
   // shape (rows, len(parts), ...), parts[k] of shape (m, ...) holding part k of the batch's
@@ -39,7 +41,7 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // once for its load, its write-back and its duplicate bookkeeping. Index values are validated
   // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
   m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
-        "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='raise', int sms=0) -> ()");
+        "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='deferred', int sms=0) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");
@@ -56,5 +58,12 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // Test hook of the hybrid path (CPU indices, host tables, rows on a GPU): the share of rows
   // the zero-copy kernels move, fixed in [0, 1], or negative for the automatic split.
   m.def("_set_hybrid_share(float share) -> float", &speedtorch_ops::cuda_impl::set_hybrid_share);
+  // Test hook of the routing: the table span (bytes) from which a CUDA index over pinned host
+  // tables takes the hybrid path (0 restores the default); returns the previous setting.
+  m.def("_set_hybrid_min_span(int bytes) -> int",
+        &speedtorch_ops::cuda_impl::set_hybrid_min_span);
+  // Waits for the current stream of CUDA device `device`, then raises the bad index a call with
+  // bounds_check='deferred' recorded there since the last report.
+  m.def("_sync_bounds_check(int device) -> ()", &speedtorch_ops::cuda_impl::sync_bounds_check);
 #endif
 }

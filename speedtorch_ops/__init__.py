@@ -28,7 +28,7 @@ from . import io
 from .memory import (empty_pinned, fill_random_, initialize_, is_zero_copy_usable, load_npy,
                      pin_, unpin_)
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
-                  pinned_scatter, set_transfer_sm_limit, transfer_sm_limit)
+                  pinned_scatter, set_transfer_sm_limit, sync_bounds_check, transfer_sm_limit)
 from . import compat
 from .compat import (COM, COMMM, CPUPytorchCOM, CPUPytorchModelFactory,
                      CPUPytorchOptimizerFactory, DataGadget, DataGadgetMM, GPUPytorchCOM,
@@ -41,6 +41,7 @@ __all__ = [
     "pinned_gather_into",
     "pinned_scatter",
     "optimizer_state_swap",
+    "sync_bounds_check",
     "set_transfer_sm_limit",
     "transfer_sm_limit",
     "inductor_options",

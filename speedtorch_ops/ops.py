@@ -11,15 +11,21 @@ A CPU index with a host table and rows on a GPU chooses the hybrid path explicit
 Every transfer op takes ``bounds_check`` (keyword only); in every mode a bad index writes
 nothing:
 
-- ``"raise"`` (default): a bad index raises in the failing call. CUDA indices are checked on the
-  GPU and the call waits for the current stream to read the result (not while a CUDA graph is
-  being captured: a bad index then writes nothing but cannot raise).
+- ``"deferred"`` (default): CUDA indices are checked on the GPU and the call does not wait for
+  it, so the host keeps queueing ahead. A bad one is recorded in pinned host memory and raised by
+  the next ``"deferred"`` or ``"raise"`` op call on that GPU (which then writes nothing either)
+  or by :func:`sync_bounds_check`, naming the index, its position and its value. The rows a
+  failing :func:`pinned_gather` returns are undefined.
+- ``"raise"``: a bad index raises in the failing call. CUDA indices are checked on the GPU and
+  the call waits for the current stream to read the result (not while a CUDA graph is being
+  captured: a captured call reports like a deferred one, at each replay that finds one).
 - ``"prechecked"``: the caller validated the indices on the host (e.g. once per batch of ids).
-  CUDA indices are still checked on the GPU, so a bad one writes nothing, but the call neither
-  waits nor raises, so the host runs ahead of the GPU.
+  CUDA indices are still checked on the GPU, so a bad one writes nothing, but nothing waits,
+  records or raises (not even another call's recorded index: a sequence of prechecked calls
+  never stops halfway), and no path that waits is taken.
 
 Indices a call reads on the host (CPU tables, the hybrid path, a pageable table) are checked
-there in both modes and a bad one raises: that check costs no wait.
+there in every mode and a bad one raises at once: that check costs no wait.
 """
 
 import contextlib
@@ -31,42 +37,43 @@ from torch import Tensor
 _ops = torch.ops.speedtorch_ops
 
 
-def pinned_gather(table: Tensor, index: Tensor, *, bounds_check: str = "raise") -> Tensor:
+def pinned_gather(table: Tensor, index: Tensor, *, bounds_check: str = "deferred") -> Tensor:
     """Rows ``table[index]`` as a new tensor on ``index``'s device.
 
     ``table``: contiguous, rows along dim 0, any dtype; pinned host memory or a CUDA tensor for a
     CUDA ``index`` (read in place by one zero-copy kernel; a pageable host table is read by CPU
     threads and copied up, after a wait for the stream), a CPU tensor for a CPU ``index``.
     ``index``: 1-D int32/int64 with values in ``[0, table.shape[0])``.
-    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring).
+    ``bounds_check``: ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module docstring).
     Differentiable with respect to ``table`` (like ``index_select``).
     """
     return _ops.pinned_gather.default(table, index, bounds_check=bounds_check)
 
 
 def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor, *,
-                       bounds_check: str = "raise") -> None:
+                       bounds_check: str = "deferred") -> None:
     """``out[:] = table[index]`` into a caller-provided contiguous tensor.
 
     ``out`` on ``index``'s device allocates nothing (training loops, CUDA-graph capture). A CPU
     ``index`` with a host ``table`` and a CUDA ``out`` takes the hybrid path: CPU threads and the
     copy engine move part of the rows while the zero-copy kernel moves the rest (the split
     adapts by itself); the call returns when the CPU's part is done. ``bounds_check``:
-    ``"raise"`` or ``"prechecked"`` (see the module docstring). Mutates ``out``; not
+    ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module docstring). Mutates ``out``; not
     differentiable.
     """
     _ops.pinned_gather_into.default(table, index, out, bounds_check=bounds_check)
 
 
 def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False, *,
-                   bounds_check: str = "raise") -> None:
+                   bounds_check: str = "deferred") -> None:
     """``table[index[i]] = src[i]`` in place (``+=`` with ``accumulate``).
 
     ``table`` as for :func:`pinned_gather`; ``src`` has shape ``(len(index), *table.shape[1:])``,
     the table's dtype, on ``index``'s device (or on a GPU with a CPU ``index`` and a host
     ``table``: the hybrid path, as in :func:`pinned_gather_into`). Duplicate indices are
     deterministic: without ``accumulate`` the last occurrence wins, with it all add up in index
-    order. ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring).
+    order. ``bounds_check``: ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module
+    docstring).
     """
     _ops.pinned_scatter.default(table, index, src, accumulate, bounds_check=bounds_check)
 
@@ -77,7 +84,7 @@ def optimizer_state_swap(
     writeback_index: Optional[Tensor],
     load_index: Optional[Tensor],
     *,
-    bounds_check: str = "raise",
+    bounds_check: str = "deferred",
 ) -> None:
     """For every pair ``(stores[k], batch[k])``: write ``batch[k]`` to rows ``writeback_index`` of
     ``stores[k]``, then load rows ``load_index`` into ``batch[k]``. Either index may be None. A
@@ -91,7 +98,7 @@ def optimizer_state_swap(
 
 def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor, slots: Tensor,
                      load: bool, count: Optional[Tensor] = None, *,
-                     bounds_check: str = "raise", sms: int = 0) -> None:
+                     bounds_check: str = "deferred", sms: int = 0) -> None:
     """Private, for the stores: a batch's rows moved by ids the caller sorted once, for a
     ``table`` of shape ``(rows, len(parts), ...)`` (a weight and its optimizer state side by
     side); ``parts[k]`` of shape ``(m, ...)`` holds part ``k`` of the batch's rows.
@@ -101,9 +108,10 @@ def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor
     equal rows. ``count`` (one int64 on the parts' device): only the first ``count`` positions
     take part, the rest are neither validated nor moved (a length known only on the GPU, with
     no wait). A pinned or CUDA ``table`` with parts on its GPU, or all on the CPU.
-    ``bounds_check``: ``"raise"`` or ``"prechecked"`` (see the module docstring). ``sms`` > 0:
-    this call's kernels use at most that many SMs (a transfer on a side stream, beside training
-    kernels), or fewer where ``set_transfer_sm_limit`` set a lower cap; 0: that cap alone."""
+    ``bounds_check``: ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module
+    docstring). ``sms`` > 0: this call's kernels use at most that many SMs (a transfer on a side
+    stream, beside training kernels), or fewer where ``set_transfer_sm_limit`` set a lower cap;
+    0: that cap alone."""
     _ops._sorted_transfer.default(table, list(parts), sorted_rows, slots, load, count,
                                   bounds_check=bounds_check, sms=sms)
 
@@ -115,6 +123,19 @@ def set_transfer_sm_limit(sms: int) -> int:
     if not hasattr(_ops, "_set_transfer_sm_limit"):
         raise RuntimeError("set_transfer_sm_limit needs speedtorch_ops built with CUDA")
     return int(_ops._set_transfer_sm_limit.default(int(sms)))
+
+
+def sync_bounds_check(device=None) -> None:
+    """Waits for the current stream of ``device`` (a CUDA device; default: the current one),
+    then raises the bad CUDA index that a call with ``bounds_check="deferred"`` found there
+    since the last report, if any. Without a CUDA GPU there is nothing to report."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    if not hasattr(_ops, "_sync_bounds_check") or not torch.cuda.is_available():
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    _ops._sync_bounds_check.default(index)
 
 
 @contextlib.contextmanager
@@ -149,14 +170,14 @@ def _check_index_meta(index: Tensor, name: str) -> None:
 
 
 @torch.library.register_fake("speedtorch_ops::pinned_gather")
-def _pinned_gather_fake(table: Tensor, index: Tensor, *, bounds_check: str = "raise") -> Tensor:
+def _pinned_gather_fake(table: Tensor, index: Tensor, *, bounds_check: str = "deferred") -> Tensor:
     _check_index_meta(index, "index")
     return table.new_empty((index.shape[0], *table.shape[1:]), device=index.device)
 
 
 @torch.library.register_fake("speedtorch_ops::pinned_gather_into")
 def _pinned_gather_into_fake(table: Tensor, index: Tensor, out: Tensor, *,
-                             bounds_check: str = "raise") -> None:
+                             bounds_check: str = "deferred") -> None:
     _check_index_meta(index, "index")
     torch._check(out.shape == (index.shape[0], *table.shape[1:]), lambda: "out has the wrong shape")
     torch._check(out.dtype == table.dtype, lambda: "out must have the table's dtype")
@@ -164,7 +185,7 @@ def _pinned_gather_into_fake(table: Tensor, index: Tensor, out: Tensor, *,
 
 @torch.library.register_fake("speedtorch_ops::pinned_scatter")
 def _pinned_scatter_fake(table: Tensor, index: Tensor, src: Tensor, accumulate: bool = False, *,
-                         bounds_check: str = "raise") -> None:
+                         bounds_check: str = "deferred") -> None:
     _check_index_meta(index, "index")
     torch._check(src.shape == (index.shape[0], *table.shape[1:]), lambda: "src has the wrong shape")
     torch._check(src.dtype == table.dtype, lambda: "src must have the table's dtype")
@@ -172,7 +193,7 @@ def _pinned_scatter_fake(table: Tensor, index: Tensor, src: Tensor, accumulate: 
 
 @torch.library.register_fake("speedtorch_ops::optimizer_state_swap")
 def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
-                               bounds_check: str = "raise") -> None:
+                               bounds_check: str = "deferred") -> None:
     torch._check(len(stores) == len(batch), lambda: "stores and batch must pair up")
     for store, b in zip(stores, batch):
         torch._check(b.shape[1:] == store.shape[1:], lambda: "batch rows must match store rows")
@@ -181,7 +202,7 @@ def _optimizer_state_swap_fake(stores, batch, writeback_index, load_index, *,
 
 @torch.library.register_fake("speedtorch_ops::_sorted_transfer")
 def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, count=None, *,
-                          bounds_check: str = "raise", sms: int = 0) -> None:
+                          bounds_check: str = "deferred", sms: int = 0) -> None:
     torch._check(sms >= 0, lambda: f"sms must be >= 0, got {sms}")
     _check_index_meta(sorted_rows, "sorted_rows")
     _check_index_meta(slots, "slots")

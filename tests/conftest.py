@@ -85,3 +85,12 @@ def gen():
     """A generator with a fresh seed per test (new random data every run); tests print
     gen.initial_seed() in their assertion messages so a failure can be replayed."""
     return torch.Generator().manual_seed(secrets.randbelow(2**62))
+
+
+@pytest.fixture(autouse=True)
+def no_unreported_bad_index():
+    """A bad CUDA index that a deferred call recorded (the ops' default bounds_check) fails the
+    test that made it, not whichever test calls an op next."""
+    yield
+    if HAS_CUDA:
+        speedtorch_ops.sync_bounds_check()

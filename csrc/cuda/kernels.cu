@@ -2,6 +2,7 @@
 // same kernel reads and writes host rows over PCIe or device rows in HBM.
 #include "kernels.h"
 
+#include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,9 +87,29 @@ __device__ __forceinline__ int64_t limited(int64_t n, const int64_t* __restrict_
   return limit == nullptr ? n : max(int64_t{0}, min(n, *limit));
 }
 
+// Fills the deferred record unless it holds a bad index not yet reported (see Deferred). The
+// fields are visible to the host before `recorded` changes.
+__device__ void record_deferred(const Deferred& d, int64_t pos, int64_t value, int64_t rows) {
+  volatile int64_t* r = d.record;
+  auto reported = static_cast<unsigned long long>(r[1]);
+  while (atomicCAS(d.claim, reported, reported + 1) != reported) {
+    // Either a record is waiting for the host (keep it), or the host reported one since
+    // `reported` was read: read again and claim the next.
+    const auto now = static_cast<unsigned long long>(r[1]);
+    if (now == reported) return;
+    reported = now;
+  }
+  r[2] = d.code;
+  r[3] = pos;
+  r[4] = value;
+  r[5] = rows;
+  __threadfence_system();
+  r[0] = static_cast<int64_t>(reported + 1);
+}
+
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
                                 int arg, int64_t* __restrict__ status,
-                                const int64_t* __restrict__ limit) {
+                                const int64_t* __restrict__ limit, Deferred deferred) {
   n = limited(n, limit);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -99,6 +120,7 @@ __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int6
         status[1] = arg;
         status[2] = i;
         status[3] = v;
+        if (deferred.claim != nullptr) record_deferred(deferred, i, v, rows);
       }
       return;
     }
@@ -253,10 +275,23 @@ int blocks_for_elements(int64_t n) {
 }  // namespace
 
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
-                            int64_t* status, cudaStream_t stream, const int64_t* limit) {
+                            int64_t* status, cudaStream_t stream, const int64_t* limit,
+                            Deferred deferred) {
   validate_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, rows, arg, status,
-                                                                   limit);
+                                                                   limit, deferred);
   return cudaGetLastError();
+}
+
+cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, int64_t* keys_out,
+                       const int64_t* values_in, int64_t* values_out, int64_t n, int bits,
+                       cudaStream_t stream) {
+  if (n > INT32_MAX) return cudaErrorInvalidValue;
+  // The keys' bits as unsigned: the same order for the non-negative keys sorted here (a negative
+  // one is a bad index, whose call moves nothing, so its place does not matter).
+  return cub::DeviceRadixSort::SortPairs(
+      temp, *temp_bytes, reinterpret_cast<const uint64_t*>(keys_in),
+      reinterpret_cast<uint64_t*>(keys_out), values_in, values_out, static_cast<int>(n), 0, bits,
+      stream);
 }
 
 cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,

@@ -52,9 +52,31 @@ struct Grid {
 // limit (or nullptr): one int64 on the device; the launchers that take it treat n as
 // min(n, *limit), a length known only on the device (read by the kernels, never by the host).
 
-// Flags any idx[i] outside [0, rows) in status (one bad position is reported).
+// The deferred record of bad indices on one device (deferred.h): claim, one word in device
+// memory, counts the records claimed; record, kRecordWords int64 in mapped pinned host memory:
+// {recorded, reported, name code, position, value, rows}. A validation kernel that finds a bad
+// index claims the record only when claim == reported (everything recorded so far was reported),
+// writes the fields, then recorded = reported + 1; the host reports it and sets reported.
+// claim == nullptr: nothing is recorded.
+constexpr int kRecordWords = 6;
+struct Deferred {
+  unsigned long long* claim = nullptr;
+  int64_t* record = nullptr;
+  int code = 0;  // the name of the index the launch validates
+};
+
+// Flags any idx[i] outside [0, rows) in status (one bad position is reported), and records it in
+// `deferred` when that is given.
 cudaError_t launch_validate(const int64_t* idx, int64_t n, int64_t rows, int arg,
-                            int64_t* status, cudaStream_t stream, const int64_t* limit = nullptr);
+                            int64_t* status, cudaStream_t stream, const int64_t* limit = nullptr,
+                            Deferred deferred = {});
+
+// Sorts n (key, value) pairs by the keys' low `bits` bits, stably (cub's radix sort: a pass per
+// 8 bits, so keys below 2^20 take 3 passes instead of the 8 of a full 64-bit sort). With
+// temp == nullptr only sets *temp_bytes, the scratch the sort needs. n < 2^31.
+cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, int64_t* keys_out,
+                       const int64_t* values_in, int64_t* values_out, int64_t n, int bits,
+                       cudaStream_t stream);
 
 // For j in [0, n) and every table: dst row (dst_idx ? dst_idx[j] : j) = src row
 // (src_idx ? src_idx[j] : j). last_of_run: dst_idx is sorted (stably) and j is skipped when

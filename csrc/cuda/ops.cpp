@@ -1,9 +1,10 @@
 // CUDA kernels of the ops: argument checks, then the one routing decision (route.h), then the
 // path it names. Everything runs on the current stream under a device guard; nothing
 // synchronizes the device. CUDA-graph safety: with CUDA indices and tables a kernel can address
-// the transfers capture; the host wait of bounds_check='raise' is skipped while capturing
-// (a bad index then writes nothing but cannot raise); paths with host work refuse to capture.
+// the transfers capture; bounds_check='raise' cannot wait while capturing, so a captured call
+// reports a bad index like a deferred one (deferred.h); paths with host work refuse to capture.
 #include "addressing.h"
+#include "deferred.h"
 #include "hybrid/hybrid.h"
 #include "hybrid/tuner.h"
 #include "route.h"
@@ -15,6 +16,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -51,6 +53,9 @@ TableSet address_all(at::TensorList tables, bool listed, const c10::Device& devi
     t.names.push_back(listed ? "stores[" + std::to_string(k) + "]" : "table");
     t.at.push_back(cuda_impl::address(tables[k], t.names.back(), device));
     t.call.add(t.at.back().memory);
+    if (t.at.back().memory == route::Memory::kMappedHost) {
+      t.call.mapped_span = std::max<int64_t>(t.call.mapped_span, tables[k].nbytes());
+    }
   }
   return t;
 }
@@ -84,6 +89,9 @@ void transfer(at::TensorList tables, at::TensorList batch,
               const std::optional<at::Tensor>& load_index, bool accumulate, bool listed,
               BoundsCheck mode, const c10::Device& device) {
   c10::cuda::CUDAGuard guard(device);
+  // A 'prechecked' caller (a store's step of several calls) must not stop halfway for another
+  // call's bad index: it is reported to the next call that checks.
+  if (mode != BoundsCheck::kPrechecked) cuda_impl::raise_deferred(device);
   const auto& any_index = writeback_index ? *writeback_index : *load_index;
   TORCH_CHECK(!writeback_index || !load_index ||
               writeback_index->device() == load_index->device(),
@@ -100,9 +108,12 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.index_on_device = any_index.is_cuda();
   t.call.rows_on_device = true;
   t.call.capturing = capturing(device);
+  t.call.may_wait = mode != BoundsCheck::kPrechecked;
   t.call.load_rows = n_load;
+  t.call.writeback_rows = n_wb;
   t.call.moved_bytes = (n_wb + n_load) * total_rb;
   t.call.hybrid_share = cuda_impl::fixed_share();
+  t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
   const Path path = route::route(t.call);
   raise_if_refused(path, t, device);
 
@@ -111,33 +122,42 @@ void transfer(at::TensorList tables, at::TensorList batch,
     pairs.push_back({t.at[k].rows, static_cast<char*>(const_cast<void*>(batch[k].const_data_ptr())),
                      row_bytes(tables[k])});
   }
+  // Errors name the caller's argument: pinned_gather's and pinned_scatter's is `index`.
+  const char* wb_name = listed ? "writeback_index" : "index";
+  const char* load_name = listed ? "load_index" : "index";
   // Indices the path reads on the host, or that are there already, are checked there (a CUDA
   // index is brought over for a pageable table: that copy waits for the current stream, as
   // the CPU side must before it touches the rows anyway).
   const auto on_host = [&](const std::optional<at::Tensor>& index, const char* name) {
     if (!index) return index;
-    auto host = index->to(at::kCPU).contiguous();
+    auto host = index->contiguous();
+    if (host.is_cuda()) {
+      // Into pinned memory, which the copy engine writes at the link's rate (a pageable
+      // destination goes through the driver's staging buffers).
+      auto pinned = at::empty(host.sizes(), host.options().device(at::kCPU).pinned_memory(true));
+      host = pinned.copy_(host);
+    }
     check_index_values(host, min_rows, name);
     return std::optional(host);
   };
   if (route::reads_index_on_host(path)) {
-    cuda_impl::hybrid_transfer(tables.vec(), pairs, on_host(writeback_index, "writeback_index"),
-                               on_host(load_index, "load_index"), accumulate, path, device);
+    cuda_impl::hybrid_transfer(tables.vec(), pairs, on_host(writeback_index, wb_name),
+                               on_host(load_index, load_name), accumulate, path, device);
     return;
   }
-  Validation v(device, mode == BoundsCheck::kRaise && !t.call.capturing);
+  Validation v(device, cuda_impl::report_for(mode, t.call.capturing));
   const auto on_device = [&](const std::optional<at::Tensor>& index, const char* name) {
     std::optional<DeviceIndex> di;
     if (!index) return di;
     if (index->is_cuda()) {
-      di.emplace(v.add(*index, min_rows, name), std::nullopt);
+      di.emplace(v.add(*index, min_rows, name), std::nullopt, min_rows);
     } else {
-      di.emplace(DeviceIndex::upload(*on_host(index, name), device));
+      di.emplace(DeviceIndex::upload(*on_host(index, name), device, min_rows));
     }
     return di;
   };
-  auto wb = on_device(writeback_index, "writeback_index");
-  auto load = on_device(load_index, "load_index");
+  auto wb = on_device(writeback_index, wb_name);
+  auto load = on_device(load_index, load_name);
   // Per pair, the write-back is queued before the load on the same stream, so a row in both
   // indices is written back before it is loaded.
   if (wb) cuda_impl::scatter_pairs(pairs, *wb, path, min_rows, tables[0], accumulate, v);
@@ -210,6 +230,7 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   TORCH_CHECK(device.is_cuda(), "parts are on ", device, " but table is on the GPU; put the "
               "parts and both indices on the table's GPU");
   c10::cuda::CUDAGuard guard(device);
+  if (mode != BoundsCheck::kPrechecked) cuda_impl::raise_deferred(device);
   const auto at = cuda_impl::address(table, "table", device);
   route::Call call;
   call.add(at.memory);
@@ -229,7 +250,7 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
     pairs.push_back({at.rows + static_cast<int64_t>(k) * pb,
                      static_cast<char*>(parts[k].mutable_data_ptr()), pb, rb});
   }
-  Validation v(device, mode == BoundsCheck::kRaise && !call.capturing, sms);
+  Validation v(device, cuda_impl::report_for(mode, call.capturing), sms);
   // A count stays on the device: the kernels read it, the host never does.
   const int64_t* limit = count ? count->const_data_ptr<int64_t>() : nullptr;
   auto rows = v.add(sorted_rows, table.size(0), "sorted_rows", limit);

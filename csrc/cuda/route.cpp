@@ -31,6 +31,15 @@ Path route(const Call& c) {
   if (c.pageable_tables) return c.device_tables ? Path::kRefusedMixedTables : Path::kHostStaged;
   if (!c.index_on_device && !c.device_tables && hybrid_pays(c)) return Path::kHybrid;
   if (!c.mapped_tables) return Path::kDevice;
+  // Random rows read from a huge host table: the zero-copy kernels are capped by a row rate
+  // (address translation) that CPU threads do not have, so a CUDA index comes to the host (one
+  // wait for its stream, the price of the faster path) and the hybrid splits the rows. Loads
+  // only (the hybrid's write-back split costs more than it saves), and not for calls that
+  // must not wait (rows the caller sorted, 'prechecked': the stores' steps) or under capture.
+  if (c.index_on_device && !c.device_tables && !c.presorted && c.may_wait && !c.capturing &&
+      c.writeback_rows == 0 && c.mapped_span >= c.hybrid_min_span && hybrid_pays(c)) {
+    return Path::kHybrid;
+  }
   return c.presorted || c.load_rows >= kSortedLoadMin ? Path::kZeroCopySorted : Path::kZeroCopy;
 }
 

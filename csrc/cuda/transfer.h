@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -27,15 +28,19 @@ struct Pair {
 class DeviceIndex {
  public:
   // rows: int64 row numbers; slots (optional): the batch position of each (else 0..n-1).
-  DeviceIndex(at::Tensor rows, std::optional<at::Tensor> slots)
-      : rows_(std::move(rows)), slots_(std::move(slots)) {}
+  // bound: the rows are below it once validated (the smallest table's row count), so a sort
+  // orders only their significant bits.
+  DeviceIndex(at::Tensor rows, std::optional<at::Tensor> slots,
+              int64_t bound = std::numeric_limits<int64_t>::max())
+      : rows_(std::move(rows)), slots_(std::move(slots)), bound_(bound) {}
   // @brief Rows the caller sorted (ascending), with the batch position of each: no sort here.
   // limit (or nullptr): a device pointer to how many leading positions take part.
   static DeviceIndex presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
                                const int64_t* limit = nullptr);
   // @brief A host index whose values were checked, sent up through pinned memory (the copy is
   // queued on the current stream; the host does not wait for it).
-  static DeviceIndex upload(const at::Tensor& host_index, const c10::Device& device);
+  static DeviceIndex upload(const at::Tensor& host_index, const c10::Device& device,
+                            int64_t bound = std::numeric_limits<int64_t>::max());
 
   bool presorted() const { return presorted_; }
   const int64_t* limit() const { return limit_; }
@@ -51,6 +56,7 @@ class DeviceIndex {
   at::Tensor rows_;
   std::optional<at::Tensor> slots_;
   std::optional<at::Tensor> sorted_, sorted_slots_;
+  int64_t bound_;
   bool presorted_ = false;
   const int64_t* limit_ = nullptr;
 };

@@ -1,16 +1,30 @@
 #include "validation.h"
 
+#include "deferred.h"
 #include "launch.h"
 
 #include <c10/cuda/CUDAException.h>
 
 namespace speedtorch_ops::cuda_impl {
 
-Validation::Validation(const c10::Device& device, bool wait, int64_t sms)
+Report report_for(BoundsCheck mode, bool capturing) {
+  switch (mode) {
+    case BoundsCheck::kRaise: return capturing ? Report::kDeferred : Report::kWait;
+    case BoundsCheck::kDeferred: return Report::kDeferred;
+    case BoundsCheck::kPrechecked: return Report::kNone;
+  }
+  return Report::kWait;
+}
+
+Validation::Validation(const c10::Device& device, Report report, int64_t sms)
     : stream_(at::cuda::getCurrentCUDAStream(device.index())),
       grid_(transfer_grid(device, sms)),
-      status_(at::zeros({cuda::kStatusWords}, at::TensorOptions(at::kLong).device(device))),
-      wait_(wait) {}
+      status_(at::empty({cuda::kStatusWords}, at::TensorOptions(at::kLong).device(device))),
+      device_(device),
+      report_(report) {
+  // A memset is one queued command, where at::zeros is a dispatched fill kernel.
+  C10_CUDA_CHECK(cudaMemsetAsync(status_.mutable_data_ptr(), 0, status_.nbytes(), stream_));
+}
 
 at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* name,
                            const int64_t* limit) {
@@ -19,16 +33,18 @@ at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* na
   names_[count_] = name;
   rows_[count_] = rows;
   if (idx.numel() > 0) {
+    const auto deferred =
+        report_ == Report::kDeferred ? deferred_record(device_, name) : cuda::Deferred{};
     C10_CUDA_CHECK(cuda::launch_validate(idx.const_data_ptr<int64_t>(), idx.numel(), rows,
                                          count_, status_.mutable_data_ptr<int64_t>(), stream_,
-                                         limit));
+                                         limit, deferred));
   }
   ++count_;
   return idx;
 }
 
 void Validation::raise_if_bad() const {
-  if (count_ == 0 || !wait_) return;
+  if (count_ == 0 || report_ != Report::kWait) return;
   const auto host = status_.cpu();  // waits for this stream: the validation kernels' result
   const int64_t* s = host.const_data_ptr<int64_t>();
   TORCH_CHECK(s[0] == 0, names_[s[1]], "[", s[2], "] = ", s[3], " is out of range for a table of ",

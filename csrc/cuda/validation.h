@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kernels.h"
+#include "speedtorch_ops/checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -12,12 +13,21 @@
 
 namespace speedtorch_ops::cuda_impl {
 
+// How a call reports a bad CUDA index (every way writes nothing).
+enum class Report {
+  kNone,      // not at all (bounds_check='prechecked'; indices checked on the host)
+  kWait,      // raise_if_bad() waits for the stream and raises (bounds_check='raise')
+  kDeferred,  // recorded for the next call on the GPU (deferred.h): no wait
+};
+
+// @brief The report of a call in `mode`: a capture cannot wait, so 'raise' defers there.
+Report report_for(BoundsCheck mode, bool capturing);
+
 class Validation {
  public:
-  // wait: raise_if_bad() waits for the stream and raises (bounds_check='raise', not capturing).
   // Calls whose indices were checked on the host add nothing; their kernels read a zero status.
   // sms > 0: the call's transfer kernels use at most that many SMs (see transfer_grid).
-  Validation(const c10::Device& device, bool wait, int64_t sms = 0);
+  Validation(const c10::Device& device, Report report, int64_t sms = 0);
 
   // @brief The index as contiguous int64 on the device, queued for validation against `rows`
   // (its first *limit entries only, when limit is a device pointer).
@@ -29,14 +39,15 @@ class Validation {
   cuda::Grid grid() const { return grid_; }
 
   // @brief Raises for a bad index, naming it. Waits for this stream only, and only when the
-  // call waits and added an index.
+  // call reports by waiting and added an index.
   void raise_if_bad() const;
 
  private:
   at::cuda::CUDAStream stream_;
   cuda::Grid grid_;
   at::Tensor status_;
-  bool wait_;
+  c10::Device device_;
+  Report report_;
   std::array<const char*, 2> names_{};
   std::array<int64_t, 2> rows_{};
   int count_ = 0;

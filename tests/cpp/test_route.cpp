@@ -112,3 +112,37 @@ TEST_CASE("route: impossible combinations are refused") {
     REQUIRE(speedtorch_ops::route::refused(path));
   }
 }
+
+TEST_CASE("route: a CUDA index over a huge pinned table takes the hybrid path") {
+  auto huge = call(Memory::kMappedHost, true, 1000);  // 4 MB moved
+  huge.mapped_span = Call::kHybridMinSpan;
+  REQUIRE(route(huge) == Path::kHybrid);
+  REQUIRE(speedtorch_ops::route::reads_index_on_host(route(huge)));
+  auto below = huge;
+  below.mapped_span = Call::kHybridMinSpan - 1;
+  REQUIRE(route(below) == Path::kZeroCopy);
+  below.hybrid_min_span = 1 << 20;  // the test hook's lower threshold
+  REQUIRE(route(below) == Path::kHybrid);
+  // Never where the call must not wait or the host cannot help.
+  auto capturing = huge;
+  capturing.capturing = true;
+  REQUIRE(route(capturing) == Path::kZeroCopy);
+  auto presorted = huge;
+  presorted.presorted = true;
+  REQUIRE(route(presorted) == Path::kZeroCopySorted);
+  auto beside_device = huge;
+  beside_device.add(Memory::kDevice);
+  REQUIRE(route(beside_device) == Path::kZeroCopy);
+  auto no_wait = huge;  // bounds_check='prechecked': the caller must not wait
+  no_wait.may_wait = false;
+  REQUIRE(route(no_wait) == Path::kZeroCopy);
+  auto writeback = huge;  // write-backs stay zero-copy
+  writeback.writeback_rows = 1;
+  REQUIRE(route(writeback) == Path::kZeroCopy);
+  auto small = call(Memory::kMappedHost, true, 10);  // 40 KiB: not worth a wait
+  small.mapped_span = Call::kHybridMinSpan;
+  REQUIRE(route(small) == Path::kZeroCopy);
+  auto forced_whole = huge;
+  forced_whole.hybrid_share = 1.0;  // the share hook's "zero-copy alone"
+  REQUIRE(route(forced_whole) == Path::kZeroCopy);
+}

@@ -32,29 +32,46 @@ def _valid_call_still_works(table, data, dev):
     assert torch.equal(speedtorch_ops.pinned_gather(table, idx).cpu(), data[[0, ROWS - 1]])
 
 
+def _raises(message, call, mode, dev, value_error=True):
+    """call() raises `message`: in the call itself for 'raise', a host index or an argument
+    error; with a deferred CUDA index (a bad value), at sync_bounds_check() instead."""
+    if mode == "deferred" and dev.type == "cuda" and value_error:
+        call()  # queued; nothing waits
+        with pytest.raises(RuntimeError, match=message):
+            speedtorch_ops.sync_bounds_check()
+    else:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
 @pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("mode", ["deferred", "raise"])
 @pytest.mark.parametrize("case", ["out of range", "far out of range", "negative", "float", "2-D"])
-def test_bad_index_writes_nothing(store, case, gen):
+def test_bad_index_writes_nothing(store, mode, case, gen):
     data, table, dev = _setup(store, gen)
     index, message = _bad_indices(dev)[case]
+    value_error = case not in ("float", "2-D")
     n = index.numel()
     src = random_rows((n, 4), torch.float32, gen).to(dev)
-    with pytest.raises(RuntimeError, match=message):
-        speedtorch_ops.pinned_gather(table, index)
+    _raises(message, lambda: speedtorch_ops.pinned_gather(table, index, bounds_check=mode), mode,
+            dev, value_error)
     out = torch.full((n, 4), 3.0, device=dev)
-    with pytest.raises(RuntimeError, match=message):
-        speedtorch_ops.pinned_gather_into(table, index, out)
+    _raises(message, lambda: speedtorch_ops.pinned_gather_into(table, index, out,
+                                                               bounds_check=mode),
+            mode, dev, value_error)
     if index.dim() == 1:
         assert torch.equal(out.cpu(), torch.full((n, 4), 3.0)), "out was written"
     for accumulate in (False, True):
-        with pytest.raises(RuntimeError, match=message):
-            speedtorch_ops.pinned_scatter(table, index, src, accumulate)
+        _raises(message, lambda: speedtorch_ops.pinned_scatter(table, index, src, accumulate,
+                                                               bounds_check=mode),
+                mode, dev, value_error)
         assert torch.equal(table.cpu(), data), "table was written"
     _valid_call_still_works(table, data, dev)
 
 
 @pytest.mark.parametrize("store", STORES)
-def test_swap_bad_index_writes_nothing(store, gen):
+@pytest.mark.parametrize("mode", ["deferred", "raise"])
+def test_swap_bad_index_writes_nothing(store, mode, gen):
     data, table, dev = _setup(store, gen)
     other_data = random_rows((ROWS, 4), torch.float32, gen)
     other = place(other_data, store)
@@ -62,10 +79,12 @@ def test_swap_bad_index_writes_nothing(store, gen):
     before = [b.clone() for b in batch]
     good = torch.tensor([1, 2, 3], device=dev)
     bad = torch.tensor([4, ROWS + 5, 6], device=dev)
-    with pytest.raises(RuntimeError, match=r"load_index\[1\] = 25 is out of range"):
-        speedtorch_ops.optimizer_state_swap([table, other], batch, good, bad)
-    with pytest.raises(RuntimeError, match=r"writeback_index\[1\] = 25 is out of range"):
-        speedtorch_ops.optimizer_state_swap([table, other], batch, bad, good)
+    _raises(r"load_index\[1\] = 25 is out of range",
+            lambda: speedtorch_ops.optimizer_state_swap([table, other], batch, good, bad,
+                                                        bounds_check=mode), mode, dev)
+    _raises(r"writeback_index\[1\] = 25 is out of range",
+            lambda: speedtorch_ops.optimizer_state_swap([table, other], batch, bad, good,
+                                                        bounds_check=mode), mode, dev)
     assert torch.equal(table.cpu(), data) and torch.equal(other.cpu(), other_data)
     assert all(torch.equal(b, p) for b, p in zip(batch, before)), "batch was written"
     _valid_call_still_works(table, data, dev)
@@ -192,8 +211,9 @@ def test_prechecked_bad_index_writes_nothing(store, gen):
     if store != "cpu":
         speedtorch_ops.pinned_gather_into(table, bad, out, bounds_check="prechecked")
         assert torch.equal(out.cpu(), torch.full((3, 4), 7.0)), "out was written"
-    with pytest.raises(RuntimeError, match="out of range"):  # the default raises
-        speedtorch_ops.pinned_scatter(table, bad, torch.ones(3, 4, device=dev))
+    with pytest.raises(RuntimeError, match="out of range"):
+        speedtorch_ops.pinned_scatter(table, bad, torch.ones(3, 4, device=dev),
+                                      bounds_check="raise")
     good = torch.tensor([0, ROWS - 1], device=dev)
     rows = speedtorch_ops.pinned_gather(table, good, bounds_check="prechecked")
     assert torch.equal(rows.cpu(), data[[0, ROWS - 1]])
@@ -205,7 +225,7 @@ def test_unknown_bounds_check_mode_raises(store, mode, gen):
     data, table, dev = _setup(store, gen)
     good = torch.tensor([1, 2, 3], device=dev)
     for call in _every_op(table, good, dev, gen, mode):
-        with pytest.raises(RuntimeError, match=f"bounds_check must be 'raise' .* or 'prechecked' "
-                                               f".*got '{mode}'"):
+        with pytest.raises(RuntimeError, match=f"bounds_check must be 'deferred' .* 'raise' .* "
+                                               f"or 'prechecked' .*got '{mode}'"):
             call()
     assert torch.equal(table.cpu(), data)

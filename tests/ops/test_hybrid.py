@@ -294,3 +294,72 @@ def test_process_exits_cleanly_after_hybrid_calls():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture
+def huge_tables():
+    """Every pinned table counts as huge: CUDA indices over it take the hybrid path."""
+    previous = _ops._set_hybrid_min_span.default(1)
+    yield
+    _ops._set_hybrid_min_span.default(previous)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cuda_index_over_a_huge_table(share, huge_tables, accumulate, gen):
+    """A load by a CUDA index from a table past the span threshold comes to the host and moves
+    through the hybrid (write-backs stay zero-copy): the same rows as plain indexing, duplicates
+    resolved the same way."""
+    data = random_rows((2000, 33), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(30000, 2000, gen).cuda()  # every row repeats ~15 times; 4 MB moved
+    assert torch.equal(speedtorch_ops.pinned_gather(table, index).cpu(), data[index.cpu()])
+    src = random_rows((30000, 33), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, index, src, accumulate=accumulate)
+    ref = (sequential_add_reference if accumulate else last_wins_reference)(data, index, src)
+    assert torch.equal(table, ref), f"seed {gen.initial_seed()}"
+    batch = [torch.zeros(30000, 33, device="cuda")]
+    speedtorch_ops.optimizer_state_swap([table], batch, None, index)
+    assert torch.equal(batch[0].cpu(), ref[index.cpu()])
+
+
+@pytest.mark.parametrize("mode", ["deferred", "raise"])
+def test_cuda_index_over_a_huge_table_checks_on_the_host(huge_tables, mode, gen):
+    """A load's index is read on the host, so a bad one raises in the call, and a capture (which
+    cannot wait for the index) still takes the zero-copy kernels. ('prechecked' calls never
+    take that path: test_prechecked_loads_from_a_huge_table_do_not_wait.)"""
+    data = random_rows((2000, 33), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(30000, 2000, gen)
+    index[17000] = 2000
+    out = torch.zeros(30000, 33, device="cuda")
+    with pytest.raises(RuntimeError, match=r"index\[17000\] = 2000 is out of range"):
+        speedtorch_ops.pinned_gather_into(table, index.cuda(), out, bounds_check=mode)
+    with pytest.raises(RuntimeError, match=r"load_index\[17000\] = 2000 is out of range"):
+        speedtorch_ops.optimizer_state_swap([table], [out], None, index.cuda(), bounds_check=mode)
+    assert torch.equal(table, data) and not out.any()
+    good = cpu_index(30000, 2000, gen).cuda()
+    speedtorch_ops.pinned_gather_into(table, good, out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        speedtorch_ops.pinned_gather_into(table, good, out, bounds_check=mode)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), data[good.cpu()])
+
+
+def test_prechecked_loads_from_a_huge_table_do_not_wait(huge_tables, gen):
+    """bounds_check='prechecked' promises no wait, so such a load stays zero-copy: it returns
+    while the GPU is still busy, and moves the right rows."""
+    data = random_rows((2000, 33), torch.float32, gen)
+    table = pinned(data)
+    index = cpu_index(30000, 2000, gen).cuda()
+    out = torch.zeros(30000, 33, device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out, bounds_check="prechecked")  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    speedtorch_ops.pinned_gather_into(table, index, out, bounds_check="prechecked")
+    assert not torch.cuda.current_stream().query(), "the prechecked load waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), data[index.cpu()])

@@ -65,7 +65,7 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   const int64_t n = idx.numel();
   const int64_t z = hybrid::zero_copy_prefix(sample.share, n);
   if (z > 0) {
-    Validation v(device, /*wait=*/false);  // nothing to validate: the values were checked
+    Validation v(device, Report::kNone);  // nothing to validate: the values were checked
     auto host = pinned_area(state.upload, z * 8).view(at::kLong).copy_(idx.narrow(0, 0, z));
     DeviceIndex di(host.to(device, /*non_blocking=*/true), std::nullopt);
     gather_pairs(pairs, di, zero_copy_path(z), v);
@@ -128,7 +128,7 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   if (sload) fill(*load, *sload);
   // Nothing to validate (the values were checked); its status is zeroed on cur, before the
   // event dma waits for.
-  Validation v(device, /*wait=*/false);
+  Validation v(device, Report::kNone);
   const auto dev = upload.to(device, /*non_blocking=*/true);
   const auto part = [&](int64_t offset, int64_t n) { return dev.narrow(0, offset, n); };
   at::cuda::CUDAEvent uploaded;

@@ -1,5 +1,7 @@
 #include "tuner.h"
 
+#include "../route.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@ namespace speedtorch_ops::cuda_impl {
 namespace {
 
 std::atomic<double> g_fixed_share{-1.0};
+std::atomic<int64_t> g_min_span{route::Call::kHybridMinSpan};
 
 int log2_bucket(int64_t v) {
   int b = 0;
@@ -90,6 +93,13 @@ double fixed_share() { return g_fixed_share.load(); }
 double set_hybrid_share(double share) {
   TORCH_CHECK(share <= 1.0, "share must be in [0, 1], or negative for automatic; got ", share);
   return g_fixed_share.exchange(share);
+}
+
+int64_t hybrid_min_span() { return g_min_span.load(); }
+
+int64_t set_hybrid_min_span(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "bytes must be >= 0 (0 restores the default), got ", bytes);
+  return g_min_span.exchange(bytes > 0 ? bytes : route::Call::kHybridMinSpan);
 }
 
 }  // namespace speedtorch_ops::cuda_impl

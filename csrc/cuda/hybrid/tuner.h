@@ -43,4 +43,11 @@ double fixed_share();
 // @brief Sets the test hook (share <= 1; negative: automatic); returns the previous setting.
 double set_hybrid_share(double share);
 
+// @brief The table span from which a CUDA index over host-mapped tables takes the hybrid path
+// (route::Call::kHybridMinSpan unless a test set another).
+int64_t hybrid_min_span();
+
+// @brief Sets it (bytes > 0; 0 restores the default); returns the previous setting.
+int64_t set_hybrid_min_span(int64_t bytes);
+
 }  // namespace speedtorch_ops::cuda_impl
