@@ -91,7 +91,8 @@ void raise_deferred(const c10::Device& device) {
   const int64_t rows = __atomic_load_n(&r[5], __ATOMIC_RELAXED);
   __atomic_store_n(&r[1], recorded, __ATOMIC_RELEASE);  // reported: the next may be recorded
   const char* name = code >= 0 && code < kNameCount ? kNames[code] : "an index";
-  TORCH_CHECK(false, "in an earlier call with bounds_check='deferred' on ", device, ", ", name,
+  TORCH_CHECK(false, "in an earlier call on ", device, " (bounds_check='deferred', or a CUDA "
+              "graph's replay), ", name,
               "[", pos, "] = ", value, " is out of range for a table of ", rows, " rows; every "
               "index must be in [0, ", rows, "). That call wrote nothing, and neither did this "
               "one. A deferred call's bad CUDA index is raised by the next 'deferred' or 'raise' "
