@@ -239,9 +239,9 @@ def main() -> None:
     for mode in a.modes:
         for overlap in a.overlap:
             for admission in dict.fromkeys(a.admission):
-                mine = [r for r in rows if r["mode"] == mode and r["budget_mb"] == 0 or
-                        r["mode"] == mode and r["overlap"] == (overlap == "on") and
-                        r["admission"] == admission]
+                mine = [r for r in rows if r["mode"] == mode and (
+                    r["budget_mb"] == 0 or
+                    r["overlap"] == (overlap == "on") and r["admission"] == admission)]
                 ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
                         label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap}, "
                               f"admission {admission})")

@@ -78,12 +78,12 @@ class Distinct:
         self.valid = self.positions < self.count
 
 
-def _find(ids: Tensor, of: "Distinct") -> tuple:
-    """(whether each of `ids` is one of the distinct ids of `of` (of at least one id), its
-    position there): a binary search on the device, no wait."""
+def _among(ids: Tensor, of: "Distinct") -> Tensor:
+    """Whether each of `ids` is one of the distinct ids of `of` (of at least one id): a binary
+    search on the device, no wait."""
     key = torch.where(of.valid, of.ids, torch.iinfo(torch.int64).max)  # ascending
     at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
-    return key[at] == ids, at
+    return key[at] == ids
 
 
 class Victims(NamedTuple):
@@ -219,7 +219,7 @@ class HostRows:
             want &= ~cached
         # The staged step's commit may write its rows back: the next stage loads them.
         if self._staged is not None and self._staged[0].n:
-            want &= ~_find(d.ids, self._staged[0])[0]
+            want &= ~_among(d.ids, self._staged[0])
         if self._carry is None or self._carry.ids.numel() != d.n:
             if capturing:  # a graph keeps the addresses it captured: the carry must exist
                 raise RuntimeError(f"prefetch inside a CUDA graph capture needs the buffer an "
