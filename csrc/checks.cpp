@@ -212,4 +212,53 @@ c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList p
   return device;
 }
 
+namespace {
+
+void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name) {
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like_name, "'s device ",
+              like.device(), ", got ", t.device());
+}
+
+void check_one_int64(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kLong && t.is_contiguous(), name,
+              " must be one int64 (shape (1,)), got ", t.scalar_type(), " of shape ", t.sizes());
+}
+
+}  // namespace
+
+void check_sort_ids_args(const at::Tensor& keys, const char* name, int64_t bound) {
+  check_vector(keys, name, at::kLong);
+  TORCH_CHECK(bound >= 1, "bound must be at least 1 (the keys are below it), got ", bound);
+}
+
+void check_partition_args(const at::Tensor& flags) { check_vector(flags, "flags", at::kBool); }
+
+void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
+                             const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch) {
+  check_vector(ids, "ids", at::kLong);
+  check_one_int64(count, "count");
+  check_vector(slot_of, "slot_of", at::kInt);
+  check_vector(freq, "freq", at::kFloat);
+  TORCH_CHECK(freq.numel() == slot_of.numel(), "freq must have slot_of's length ",
+              slot_of.numel(), " (one entry per table row), got ", freq.numel());
+  check_same_device(count, "count", ids, "ids");
+  check_same_device(slot_of, "slot_of", ids, "ids");
+  check_same_device(freq, "freq", ids, "ids");
+  TORCH_CHECK(scratch >= 0, "scratch must be a slot number (>= 0), got ", scratch);
+}
+
+void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period) {
+  check_vector(freq, "freq", at::kFloat);
+  check_one_int64(age, "age");
+  check_same_device(age, "age", freq, "freq");
+  TORCH_CHECK(period >= 1, "period must be at least 1 (steps between halvings), got ", period);
+}
+
 }  // namespace speedtorch_ops

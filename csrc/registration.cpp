@@ -42,6 +42,25 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // like the public ops'; sortedness is checked on the CPU (on a GPU unsorted duplicates race).
   m.def("_sorted_transfer(Tensor(a!) table, Tensor(b!)[] parts, Tensor sorted_rows, "
         "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='deferred', int sms=0) -> ()");
+  // Planning a row cache's step on the device (private, for the stores): fixed shapes, counts
+  // known only on the device stay there, nothing waits. Values are trusted (the stores check
+  // ids on the host); one out of range gives an unspecified result, never a stray write.
+  // (keys sorted ascending, stably; the position of each), sorting only the bits below bound.
+  m.def("_sort_ids(Tensor keys, int bound) -> (Tensor, Tensor)");
+  // (ids, inverse, count): ids[:count] the distinct keys of index ascending, ids[count:] zero;
+  // ids[inverse[i]] == index[i]; count one int64. Keys below bound.
+  m.def("_distinct(Tensor index, int bound) -> (Tensor, Tensor, Tensor)");
+  // (order, count): the positions of the true flags ascending, then the others descending;
+  // count (one int64) how many are true.
+  m.def("_partition(Tensor flags) -> (Tensor, Tensor)");
+  // (at, miss) for the first count ids (distinct table rows): at[i] = slot_of[ids[i]] where
+  // that is a slot (>= 0), else scratch, and miss[i] says which; freq[ids[i]] += 1. Later
+  // positions: at = scratch, miss = False, nothing counted.
+  m.def("_cache_lookup(Tensor ids, Tensor count, Tensor slot_of, Tensor(a!) freq, int scratch) "
+        "-> (Tensor, Tensor)");
+  // age += 1; when age reaches a multiple of period, every freq halves (LFU aging decided on
+  // the device, so a captured step ages too).
+  m.def("_age_frequencies(Tensor(a!) freq, Tensor(b!) age, int period) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

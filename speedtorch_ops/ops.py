@@ -116,6 +116,44 @@ def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor
                                   bounds_check=bounds_check, sms=sms)
 
 
+# ---- planning a row cache's step on the device (private, for the stores) ----------------------
+# Fixed shapes, counts kept on the device (one int64), nothing read back: a step planned with
+# these never makes the host wait and can be captured in a CUDA graph. Values are trusted (the
+# stores check ids on the host); one out of range gives an unspecified result, never a stray
+# write. On a GPU each is a few kernels where the same plan in torch ops took tens.
+
+def _sort_ids(keys: Tensor, bound: int):
+    """(``keys`` (1-D int64, each below ``bound``) sorted ascending, stably; the position of
+    each). On a GPU only the bits below ``bound`` are sorted (a radix pass per 8 bits)."""
+    return _ops._sort_ids.default(keys, bound)
+
+
+def _distinct(index: Tensor, bound: int):
+    """(ids, inverse, count) of ``index`` (1-D int64, each below ``bound``): ``ids[:count]``
+    its distinct values ascending, ``ids[count:]`` zero, ``ids[inverse[i]] == index[i]``;
+    ``count`` one int64."""
+    return _ops._distinct.default(index, bound)
+
+
+def _partition(flags: Tensor):
+    """(order, count) of ``flags`` (1-D bool): the positions of the true flags ascending, then
+    the others descending; ``count`` (one int64) how many are true."""
+    return _ops._partition.default(flags)
+
+
+def _cache_lookup(ids: Tensor, count: Tensor, slot_of: Tensor, freq: Tensor, scratch: int):
+    """(at, miss) for the first ``count`` of ``ids`` (distinct table rows): ``at[i]`` the slot
+    ``slot_of[ids[i]]`` (int32, -1: none) or ``scratch``, ``miss[i]`` true for none; counts
+    each in ``freq`` (float32, in place). Later positions: ``scratch``, no miss, not counted."""
+    return _ops._cache_lookup.default(ids, count, slot_of, freq, scratch)
+
+
+def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
+    """``age += 1`` (one int64) and, when it reaches a multiple of ``period``, ``freq`` halves;
+    in place, decided on the device."""
+    _ops._age_frequencies.default(freq, age, period)
+
+
 def set_transfer_sm_limit(sms: int) -> int:
     """Cap the SMs the CUDA transfer kernels use (one 1024-thread block per allowed SM), so
     transfers can overlap with training kernels; 0 (the default) removes the cap. Process-wide.
@@ -213,6 +251,36 @@ def _sorted_transfer_fake(table, parts, sorted_rows, slots, load, count=None, *,
         torch._check(part.shape == (parts[0].shape[0], *table.shape[2:]),
                      lambda: "a part has the wrong shape")
         torch._check(part.dtype == table.dtype, lambda: "parts must have the table's dtype")
+
+
+@torch.library.register_fake("speedtorch_ops::_sort_ids")
+def _sort_ids_fake(keys: Tensor, bound: int):
+    _check_index_meta(keys, "keys")
+    return torch.empty_like(keys), torch.empty_like(keys)
+
+
+@torch.library.register_fake("speedtorch_ops::_distinct")
+def _distinct_fake(index: Tensor, bound: int):
+    _check_index_meta(index, "index")
+    return torch.empty_like(index), torch.empty_like(index), index.new_empty(1)
+
+
+@torch.library.register_fake("speedtorch_ops::_partition")
+def _partition_fake(flags: Tensor):
+    torch._check(flags.dim() == 1 and flags.dtype == torch.bool, lambda: "flags must be 1-D bool")
+    return (flags.new_empty(flags.shape, dtype=torch.int64),
+            flags.new_empty(1, dtype=torch.int64))
+
+
+@torch.library.register_fake("speedtorch_ops::_cache_lookup")
+def _cache_lookup_fake(ids, count, slot_of, freq, scratch: int):
+    _check_index_meta(ids, "ids")
+    return torch.empty_like(ids), ids.new_empty(ids.shape, dtype=torch.bool)
+
+
+@torch.library.register_fake("speedtorch_ops::_age_frequencies")
+def _age_frequencies_fake(freq, age, period: int) -> None:
+    torch._check(period >= 1, lambda: f"period must be at least 1, got {period}")
 
 
 # ---- autograd: pinned_gather is index_select, so its gradient is an index_add ----------------

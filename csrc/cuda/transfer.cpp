@@ -72,33 +72,38 @@ DeviceIndex DeviceIndex::upload(const at::Tensor& host_index, const c10::Device&
 }
 
 void DeviceIndex::sort() {
+  auto [sorted, slots] = sort_rows(rows_, slots_, bound_);
+  sorted_ = std::move(sorted);
+  sorted_slots_ = std::move(slots);
+}
+
+std::pair<at::Tensor, at::Tensor> sort_rows(const at::Tensor& rows,
+                                            const std::optional<at::Tensor>& slots,
+                                            int64_t bound) {
   // The rows' significant bits only: a 1 M-row table sorts 20 bits in 3 radix passes, where a
   // full int64 sort (at::sort) takes 8; on the H100 that sort was 68 us of a 1.3 ms seed gather
   // (bench/op_profile.py).
-  const int64_t n = rows_.numel();
+  const int64_t n = rows.numel();
   if (n > std::numeric_limits<int32_t>::max()) {  // past cub's item count
-    auto [sorted, perm] = at::sort(rows_, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-    sorted_slots_ = slots_ ? slots_->index_select(0, perm) : perm;
-    sorted_ = std::move(sorted);
-    return;
+    auto [sorted, perm] = at::sort(rows, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    return {std::move(sorted), slots ? slots->index_select(0, perm) : perm};
   }
   int bits = 1;
-  while (bits < 64 && (bound_ - 1) >> bits != 0) ++bits;
-  const auto stream = at::cuda::getCurrentCUDAStream(rows_.device().index());
-  const auto values = slots_ ? slots_->contiguous() : at::arange(n, rows_.options());
-  auto keys_out = at::empty_like(rows_);
+  while (bits < 64 && (bound - 1) >> bits != 0) ++bits;
+  const auto stream = at::cuda::getCurrentCUDAStream(rows.device().index());
+  const auto values = slots ? slots->contiguous() : at::arange(n, rows.options());
+  auto keys_out = at::empty_like(rows);
   auto values_out = at::empty_like(values);
   size_t temp_bytes = 0;
   C10_CUDA_CHECK(cuda::sort_pairs(nullptr, &temp_bytes, nullptr, nullptr, nullptr, nullptr, n,
                                   bits, stream));
-  auto temp = at::empty({static_cast<int64_t>(temp_bytes)}, rows_.options().dtype(at::kByte));
+  auto temp = at::empty({static_cast<int64_t>(temp_bytes)}, rows.options().dtype(at::kByte));
   C10_CUDA_CHECK(cuda::sort_pairs(temp.mutable_data_ptr(), &temp_bytes,
-                                  rows_.const_data_ptr<int64_t>(),
+                                  rows.const_data_ptr<int64_t>(),
                                   keys_out.mutable_data_ptr<int64_t>(),
                                   values.const_data_ptr<int64_t>(),
                                   values_out.mutable_data_ptr<int64_t>(), n, bits, stream));
-  sorted_ = std::move(keys_out);
-  sorted_slots_ = std::move(values_out);
+  return {std::move(keys_out), std::move(values_out)};
 }
 
 const at::Tensor& DeviceIndex::sorted() {

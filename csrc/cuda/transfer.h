@@ -10,6 +10,7 @@
 
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace speedtorch_ops::cuda_impl {
@@ -60,6 +61,13 @@ class DeviceIndex {
   bool presorted_ = false;
   const int64_t* limit_ = nullptr;
 };
+
+// @brief (rows sorted ascending, stably; the slot of each: `slots` permuted, or the positions
+// without it). rows: int64 on a GPU, contiguous, below `bound` (only those bits are sorted; a
+// larger or negative value lands somewhere unspecified).
+std::pair<at::Tensor, at::Tensor> sort_rows(const at::Tensor& rows,
+                                            const std::optional<at::Tensor>& slots,
+                                            int64_t bound);
 
 // @brief batch[k][slot j] = table[k][row j] for every pair, one launch per group of kMaxTables
 // pairs; in row order for route::Path::kZeroCopySorted, else in the index's order.

@@ -58,24 +58,29 @@ _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
 
 class Distinct:
-    """The distinct ids of a plan, on its device, in fixed shapes: ``ids[:count]`` ascending,
-    ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of the plan's i-th id."""
+    """The distinct ids of a plan (each below `rows`), on its device, in fixed shapes:
+    ``ids[:count]`` ascending, ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of
+    the plan's i-th id."""
 
-    def __init__(self, plan: Plan):
-        sorted_ids, perm = plan.sorted
-        n = len(plan)
-        first = torch.ones(n, dtype=torch.bool, device=sorted_ids.device)
-        if n > 1:
-            torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-        rank = first.cumsum(0) - 1
-        self.n = n
-        self.count = (rank[-1:] + 1) if n else torch.zeros(1, dtype=torch.int64,
-                                                           device=sorted_ids.device)
-        self.ids = torch.zeros(n, dtype=torch.int64, device=sorted_ids.device).scatter_(
-            0, rank, sorted_ids)
-        self.inverse = torch.empty_like(rank).index_copy_(0, perm, rank)
-        self.positions = torch.arange(n, device=sorted_ids.device)
+    def __init__(self, plan: Plan, rows: int):
+        index = plan.index
+        self.n = len(plan)
+        self.ids, self.inverse, self.count = ops._distinct(index, max(rows, 1))
+        self.positions = torch.arange(self.n, device=index.device)
         self.valid = self.positions < self.count
+
+
+def _wide(rows: Tensor) -> Tensor:
+    """`rows` (contiguous, rows along dim 0) viewed with the widest element (up to 16 bytes)
+    that divides a row: torch's index and where kernels then move 16-byte elements where they
+    moved 4-byte ones (the cache's row copies ran at a third of the GPU's bandwidth)."""
+    row_bytes = rows.shape[-1] * rows.element_size()
+    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if size > rows.element_size() and row_bytes % size == 0 and \
+                rows.data_ptr() % size == 0:
+            return rows.view(dtype)
+    return rows
 
 
 def _among(ids: Tensor, of: "Distinct") -> Tensor:
@@ -164,13 +169,13 @@ class HostRows:
         plan.check(self.host.shape[0])
         self._graphed |= self._capturing()
         self._join_ahead()
-        return Distinct(plan)
+        return Distinct(plan, self.host.shape[0])
 
     def _load(self, buf: Tensor, d: "Distinct", which: Tensor, sms: int = 0) -> tuple:
         """Load the rows of the positions `which` of `d` into `buf` (ascending ids); returns what
         the transfer reads (to keep alive while it runs on another stream)."""
-        order = torch.argsort((~which).to(torch.int8), stable=True)
-        rows, count = d.ids[order], which.sum().view(1)
+        order, count = ops._partition(which)
+        rows = d.ids[order]
         self._move(buf.unbind(0), rows, order, count, load=True, sms=sms)
         return order, rows, count
 
@@ -185,7 +190,7 @@ class HostRows:
             take = miss & carry.loaded & (carry.ids == d.ids)
             keep = take.view(-1, *[1] * len(self.row_shape))
             for part, rows in zip(carry.buf, buf):
-                torch.where(keep, part, rows, out=rows)
+                torch.where(keep, _wide(part), _wide(rows), out=_wide(rows))
             self.stats[5] += take.sum()
         carry.loaded.zero_()
         return take
@@ -212,7 +217,7 @@ class HostRows:
                                "prefetch outside the graph would race with them. Prefetch "
                                "inside the captured step (between its forward and step())")
         self._join_ahead()  # an earlier prefetch, never taken, is overwritten
-        d = Distinct(plan)
+        d = Distinct(plan, self.host.shape[0])
         want = d.valid.clone()
         cached = self._cached(d.ids)
         if cached is not None:
@@ -370,18 +375,11 @@ class CachedRows(HostRows):
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
         n, scratch = d.n, self.slots
-        slot = self.slot_of[d.ids].long()
-        hit = d.valid & (slot >= 0)
-        miss = d.valid & (slot < 0)
-        self.freq.index_add_(0, d.ids, d.valid.to(self.freq.dtype))
         # Hits from the cache (every other entry reads the scratch slot), misses from the host
-        # or the carry.
-        at = torch.where(hit, slot, scratch)
-        order = torch.argsort((~miss).to(torch.int8), stable=True)  # misses first, ascending
-        misses = miss.sum().view(1)
-        self.stats[0] += d.count[0]
-        self.stats[1] += hit.sum()
-        self.stats[2] += misses[0]
+        # or the carry; the lookup counts each id's use.
+        at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, scratch)
+        order, misses = ops._partition(miss)  # misses first, ascending
+        self.stats[:3] += torch.cat([d.count, d.count - misses, misses])
         buf = self._buffer(n)
         for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
             torch.index_select(part, 0, at, out=rows)
@@ -432,7 +430,8 @@ class CachedRows(HostRows):
         old = self.id_of[victims]
         evict = admit & (old >= 0)
         # Evicted rows in address order.
-        ev_sorted, ev_order = torch.sort(torch.where(evict, old, torch.iinfo(torch.int64).max))
+        rows = self.host.shape[0]
+        ev_sorted, ev_order = ops._sort_ids(torch.where(evict, old, rows), rows + 1)
         evicted = evict.sum().view(1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
                    sms=self._lane_sms)
@@ -449,8 +448,9 @@ class CachedRows(HostRows):
         # map take the step's rows (no row is in both).
         rest = (d.positions < misses)
         rest[:k] &= ~admit
-        back = order[torch.argsort((~rest).to(torch.int8), stable=True)]
-        rest_rows, rest_count = d.ids[back], rest.sum().view(1)
+        take, rest_count = ops._partition(rest)
+        back = order[take]
+        rest_rows = d.ids[back]
         with self._on_lane():
             self._move(buf.unbind(0), rest_rows, back, rest_count, load=False,
                        sms=self._lane_sms)
@@ -460,7 +460,7 @@ class CachedRows(HostRows):
         # scratch slot; one copy per part puts them all back.
         dest = at.index_copy(0, first, torch.where(admit, victims, at[first]))
         for part, rows in zip(self.cache, buf):
-            part.index_copy_(0, dest, rows)
+            _wide(part).index_copy_(0, dest, _wide(rows))
         # The map follows. Scalars go in through index_fill_: a Python scalar assigned by
         # indexing is copied up from pageable memory, which makes the host wait for the GPU.
         dump_row, dump_slot = self.slot_of.numel() - 1, scratch
@@ -471,8 +471,7 @@ class CachedRows(HostRows):
                                torch.where(admit, miss_ids, -1))
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
-        self._age += 1
-        self.freq.mul_(torch.where(self._age % self.aging_steps == 0, 0.5, 1.0))
+        ops._age_frequencies(self.freq, self._age, self.aging_steps)
         self._join()
         self._join_ahead()
 

@@ -106,4 +106,17 @@ c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList p
                                        const at::Tensor& sorted_rows, const at::Tensor& slots,
                                        const std::optional<at::Tensor>& count, int64_t sms);
 
+// Checks of the planning ops (the row cache's step on the device; registration.cpp has their
+// contracts), shared by both devices. _sort_ids and _distinct: keys 1-D int64, contiguous;
+// bound >= 1.
+void check_sort_ids_args(const at::Tensor& keys, const char* name, int64_t bound);
+// _partition: flags 1-D bool, contiguous.
+void check_partition_args(const at::Tensor& flags);
+// _cache_lookup: ids 1-D int64; count one int64; slot_of 1-D int32; freq 1-D float32 as long
+// as slot_of; all contiguous on one device; scratch >= 0.
+void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
+                             const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch);
+// _age_frequencies: freq 1-D float32, age one int64, both contiguous on one device; period >= 1.
+void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period);
+
 }  // namespace speedtorch_ops

@@ -1,0 +1,161 @@
+"""Where the main job's cached step spends its GPU time: the demo's module engine (HostEmbedding
+with GPU row caches) on the Zipf corpus, profiled two ways with torch.profiler.
+
+- eager steps, each phase wrapped in a named range (the stores' stage, victim choice, commit,
+  prefetch; the distinct ids; the optimizer; forward and backward): GPU time and kernels per
+  phase per step, and the costliest ops with their input shapes;
+- captured steps (each one CUDA graph replay, as the demo runs): kernels per step by name, and
+  the GPU time they cover.
+
+    python3 bench/step_profile.py --budget 1200 --steps 10
+"""
+
+import argparse
+import collections
+import functools
+import json
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from speedtorch_ops.demo.corpus import CORPORA
+from speedtorch_ops.demo.train import ModuleTraining
+from speedtorch_ops.training import cache as cache_mod
+
+PHASES = [(cache_mod.CachedRows, "stage"), (cache_mod.CachedRows, "_evict"),
+          (cache_mod.CachedRows, "commit"), (cache_mod.HostRows, "stage"),
+          (cache_mod.HostRows, "commit"), (cache_mod.HostRows, "prefetch"),
+          (cache_mod.Distinct, "__init__")]
+
+
+def label(cls, name):
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        with record_function(f"phase:{cls.__name__}.{name}"):
+            return original(*args, **kwargs)
+    setattr(cls, name, wrapped)
+
+
+def kernels_under(event) -> list:
+    """The GPU kernels launched by `event` and every op under it."""
+    out, todo = [], [event]
+    while todo:
+        e = todo.pop()
+        out += [k for k in e.kernels]
+        todo += e.cpu_children
+    return out
+
+
+def phase_table(prof, steps: int) -> dict:
+    """GPU µs and kernels per step of each labelled range (a range inside another counts in
+    both: Distinct inside a stage)."""
+    acc = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.name.startswith("phase:"):
+            ks = kernels_under(e)
+            acc[e.name[6:]][0] += sum(k.duration for k in ks)
+            acc[e.name[6:]][1] += len(ks)
+    return {k: {"gpu_us": v[0] / steps, "kernels": v[1] / steps} for k, v in acc.items()}
+
+
+def kernel_table(prof, steps: int, top: int) -> list:
+    by = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by[e.name][0] += e.time_range.elapsed_us()
+            by[e.name][1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])
+    return [{"kernel": k[:110], "us_per_step": v[0] / steps, "per_step": v[1] / steps}
+            for k, v in rows[:top]]
+
+
+def busy_us(prof) -> float:
+    """GPU time covered by at least one kernel or copy (union of their intervals)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, end = 0.0, float("-inf")
+    for s, t in spans:
+        if t > end:
+            total += t - max(s, end)
+            end = t
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocab", type=int, default=4_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8192)
+    p.add_argument("--negatives", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+    p.add_argument("--budget", type=float, default=1200, help="cache MiB, both tables")
+    p.add_argument("--prefetch", choices=["on", "off"], default="on")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", default="bench/out")
+    a = p.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device())
+    corpus = CORPORA[a.corpus](a.vocab, 20, a.tokens)
+    batches = [corpus.batch(a.batch, a.negatives) for _ in range(64)]
+    args = argparse.Namespace(vocab=a.vocab, dim=a.dim, batch=a.batch, negatives=a.negatives,
+                              lr=0.05, optimizer="adam", fused=False, cache_mb=a.budget,
+                              graph="on", prefetch=a.prefetch)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "gpu": torch.cuda.get_device_name(device), "args": vars(a)}
+
+    def steps(run, first, n):
+        for i in range(first, first + n):
+            run.step(batches[i % 64], batches[(i + 1) % 64])
+
+    # Captured: the step as the demo runs it.
+    run = ModuleTraining(args, device)
+    steps(run, 0, a.warmup)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    steps(run, a.warmup, 50)
+    torch.cuda.synchronize()
+    result["graph_steps_per_s"] = 50 / (time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(run, a.warmup + 50, a.steps)
+        torch.cuda.synchronize()
+    result["graph_kernels_per_step"] = sum(
+        1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / a.steps
+    result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
+    result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
+    del run
+
+    # Eager, phases labelled.
+    for cls, name in PHASES:
+        label(cls, name)
+    import torch.optim.adam as adam_mod
+    label(adam_mod.Adam, "step")
+    args.graph = "off"
+    run = ModuleTraining(args, device)
+    steps(run, 0, a.warmup)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
+        steps(run, a.warmup, a.steps)
+        torch.cuda.synchronize()
+    result["eager_phases"] = phase_table(prof, a.steps)
+    result["eager_kernels_per_step"] = sum(
+        1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / a.steps
+    ops = prof.key_averages(group_by_input_shape=True)
+    result["eager_ops"] = [
+        {"op": o.key, "shapes": str(o.input_shapes)[:120], "count_per_step": o.count / a.steps,
+         "gpu_us_per_step": o.device_time_total / a.steps}
+        for o in sorted(ops, key=lambda o: -o.device_time_total)[:a.top]]
+    print(json.dumps(result, indent=1))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "step_profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+// CPU kernels of the planning ops (registration.cpp has their contracts). Each is one pass in
+// order over a step's ids (a scan: the positions depend on everything before them).
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace speedtorch_ops {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> sort_ids_cpu(const at::Tensor& keys, int64_t bound) {
+  check_sort_ids_args(keys, "keys", bound);
+  auto [sorted, perm] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  return {sorted, perm};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& index,
+                                                            int64_t bound) {
+  check_sort_ids_args(index, "index", bound);
+  const int64_t n = index.numel();
+  auto [sorted, perm] = at::sort(index, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto ids = at::zeros({n}, index.options());
+  auto inverse = at::empty({n}, index.options());
+  auto count = at::empty({1}, index.options());
+  const int64_t* s = sorted.const_data_ptr<int64_t>();
+  const int64_t* p = perm.const_data_ptr<int64_t>();
+  int64_t* out = ids.mutable_data_ptr<int64_t>();
+  int64_t* inv = inverse.mutable_data_ptr<int64_t>();
+  int64_t r = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 0 || s[i] != s[i - 1]) out[++r] = s[i];
+    inv[p[i]] = r;
+  }
+  count.fill_(r + 1);
+  return {ids, inverse, count};
+}
+
+std::tuple<at::Tensor, at::Tensor> partition_cpu(const at::Tensor& flags) {
+  check_partition_args(flags);
+  const int64_t n = flags.numel();
+  auto order = at::empty({n}, flags.options().dtype(at::kLong));
+  const bool* f = flags.const_data_ptr<bool>();
+  int64_t* o = order.mutable_data_ptr<int64_t>();
+  int64_t front = 0, back = n;
+  for (int64_t i = 0; i < n; ++i) {
+    if (f[i]) {
+      o[front++] = i;
+    } else {
+      o[--back] = i;  // the others from the back: descending, as the CUDA kernel leaves them
+    }
+  }
+  return {order, at::full({1}, front, order.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> cache_lookup_cpu(const at::Tensor& ids, const at::Tensor& count,
+                                                    const at::Tensor& slot_of, at::Tensor& freq,
+                                                    int64_t scratch) {
+  check_cache_lookup_args(ids, count, slot_of, freq, scratch);
+  const int64_t n = ids.numel();
+  auto at_slot = at::full({n}, scratch, ids.options());
+  auto miss = at::zeros({n}, ids.options().dtype(at::kBool));
+  const int64_t valid = std::min(n, count.item<int64_t>());  // a CPU tensor: no wait
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int32_t* slot = slot_of.const_data_ptr<int32_t>();
+  float* f = freq.mutable_data_ptr<float>();
+  int64_t* a = at_slot.mutable_data_ptr<int64_t>();
+  bool* m = miss.mutable_data_ptr<bool>();
+  for (int64_t i = 0; i < valid; ++i) {
+    const int32_t s = slot[id[i]];
+    if (s >= 0) a[i] = s;
+    m[i] = s < 0;
+    f[id[i]] += 1.0f;
+  }
+  return {at_slot, miss};
+}
+
+void age_frequencies_cpu(at::Tensor& freq, at::Tensor& age, int64_t period) {
+  check_age_args(freq, age, period);
+  int64_t* steps = age.mutable_data_ptr<int64_t>();
+  if (++*steps % period == 0) freq.mul_(0.5);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("_sort_ids", &sort_ids_cpu);
+  m.impl("_distinct", &distinct_cpu);
+  m.impl("_partition", &partition_cpu);
+  m.impl("_cache_lookup", &cache_lookup_cpu);
+  m.impl("_age_frequencies", &age_frequencies_cpu);
+}
+
+}  // namespace speedtorch_ops

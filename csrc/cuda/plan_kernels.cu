@@ -1,0 +1,141 @@
+// Kernels that plan a row cache's step on the device (plan_kernels.h). Free of torch headers.
+#include "plan_kernels.h"
+
+#include <cub/cub.cuh>
+#include <thrust/iterator/counting_iterator.h>
+
+#include <algorithm>
+#include <climits>
+
+namespace speedtorch_ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
+}
+
+__global__ void iota_kernel(int64_t* out, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = i;
+  }
+}
+
+__global__ void heads_kernel(const int64_t* sorted, int64_t n, int64_t* head) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    head[i] = (i == 0 || sorted[i] != sorted[i - 1]) ? 1 : 0;
+  }
+}
+
+// rank: the inclusive scan of the heads (the position in ids, plus one).
+__global__ void scatter_unique_kernel(const int64_t* sorted, const int64_t* perm,
+                                      const int64_t* rank, int64_t n, int64_t* ids,
+                                      int64_t* inverse, int64_t* count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = rank[i] - 1;
+    if (i == 0 || sorted[i] != sorted[i - 1]) ids[r] = sorted[i];
+    inverse[perm[i]] = r;
+    if (i == n - 1) *count = r + 1;
+  }
+}
+
+__global__ void zero_kernel(int64_t* x) { *x = 0; }
+
+__global__ void cache_lookup_kernel(const int64_t* ids, const int64_t* count, int64_t n,
+                                    const int32_t* slot_of, float* freq, int64_t scratch,
+                                    int64_t* at, bool* miss) {
+  const int64_t valid = min(n, *count);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < valid) {
+      const int64_t id = ids[i];
+      const int32_t s = slot_of[id];
+      at[i] = s >= 0 ? s : scratch;
+      miss[i] = s < 0;
+      atomicAdd(freq + id, 1.0f);  // distinct ids never collide; duplicates still add up
+    } else {
+      at[i] = scratch;
+      miss[i] = false;
+    }
+  }
+}
+
+__global__ void halve_if_due_kernel(float* freq, int64_t n, const int64_t* age, int64_t period) {
+  if ((*age + 1) % period != 0) return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    freq[i] *= 0.5f;
+  }
+}
+
+__global__ void count_step_kernel(int64_t* age) { *age += 1; }
+
+}  // namespace
+
+cudaError_t launch_iota(int64_t* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  iota_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
+                                 const int64_t* perm, int64_t* rank, int64_t n, int64_t* ids,
+                                 int64_t* inverse, int64_t* count, cudaStream_t stream) {
+  if (n > INT_MAX) return cudaErrorInvalidValue;
+  if (temp == nullptr) {
+    return cub::DeviceScan::InclusiveSum(nullptr, *temp_bytes, rank, rank, static_cast<int>(n),
+                                         stream);
+  }
+  if (n == 0) {
+    zero_kernel<<<1, 1, 0, stream>>>(count);
+    return cudaGetLastError();
+  }
+  heads_kernel<<<blocks_for(n), kThreads, 0, stream>>>(sorted, n, rank);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  err = cub::DeviceScan::InclusiveSum(temp, *temp_bytes, rank, rank, static_cast<int>(n), stream);
+  if (err != cudaSuccess) return err;
+  scatter_unique_kernel<<<blocks_for(n), kThreads, 0, stream>>>(sorted, perm, rank, n, ids,
+                                                                inverse, count);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_partition(void* temp, size_t* temp_bytes, const bool* flags, int64_t n,
+                             int64_t* order, int64_t* count, cudaStream_t stream) {
+  if (n > INT_MAX) return cudaErrorInvalidValue;
+  if (temp != nullptr && n == 0) {
+    zero_kernel<<<1, 1, 0, stream>>>(count);
+    return cudaGetLastError();
+  }
+  // cub writes the flagged items in order from the front and the others in reverse order from
+  // the back.
+  return cub::DevicePartition::Flagged(temp, *temp_bytes, thrust::counting_iterator<int64_t>(0),
+                                       flags, order, count, static_cast<int>(n), stream);
+}
+
+cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_t n,
+                                const int32_t* slot_of, float* freq, int64_t scratch,
+                                int64_t* at, bool* miss, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  cache_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, count, n, slot_of, freq,
+                                                              scratch, at, miss);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream) {
+  // Few blocks: on the steps that do not age, each block only reads *age and returns.
+  if (n > 0) {
+    halve_if_due_kernel<<<std::min(blocks_for(n), 1024), kThreads, 0, stream>>>(freq, n, age,
+                                                                                 period);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  count_step_kernel<<<1, 1, 0, stream>>>(age);
+  return cudaGetLastError();
+}
+
+}  // namespace speedtorch_ops::cuda

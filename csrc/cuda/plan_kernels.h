@@ -1,0 +1,37 @@
+// Launchers of the kernels that plan a row cache's step on the device (plan_ops.cpp has the
+// contracts). Plain C++ types only, like kernels.h. Launchers that need scratch take `temp`:
+// with temp == nullptr they only set *temp_bytes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace speedtorch_ops::cuda {
+
+// out[i] = i for i < n.
+cudaError_t launch_iota(int64_t* out, int64_t n, cudaStream_t stream);
+
+// Given sorted keys (n, ascending) and the permutation that sorted them: ids[0:count] the
+// distinct keys ascending (ids must be zeroed by the caller), inverse[perm[i]] the position in
+// ids of sorted[i], *count the number of distinct keys. rank: n int64 of scratch. n < 2^31.
+cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
+                                 const int64_t* perm, int64_t* rank, int64_t n, int64_t* ids,
+                                 int64_t* inverse, int64_t* count, cudaStream_t stream);
+
+// order: the positions i < n with flags[i] ascending, then the others descending; *count the
+// number flagged. n < 2^31.
+cudaError_t launch_partition(void* temp, size_t* temp_bytes, const bool* flags, int64_t n,
+                             int64_t* order, int64_t* count, cudaStream_t stream);
+
+// For i < min(n, *count): s = slot_of[ids[i]]; at[i] = s >= 0 ? s : scratch, miss[i] = s < 0,
+// freq[ids[i]] += 1. Other positions: at[i] = scratch, miss[i] = false.
+cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_t n,
+                                const int32_t* slot_of, float* freq, int64_t scratch,
+                                int64_t* at, bool* miss, cudaStream_t stream);
+
+// Counts one step in *age; when the count reaches a multiple of period, freq[0:n] halves. The
+// kernel over freq returns at once on the other steps, so a captured step pays no pass.
+cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream);
+
+}  // namespace speedtorch_ops::cuda

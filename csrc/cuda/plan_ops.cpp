@@ -1,0 +1,108 @@
+// CUDA kernels of the planning ops (registration.cpp has their contracts): a row cache's step
+// planned on the device in a few launches, with nothing read back to the host.
+#include "plan_kernels.h"
+#include "speedtorch_ops/checks.h"
+#include "transfer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+namespace speedtorch_ops {
+namespace {
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return at::cuda::getCurrentCUDAStream(t.device().index());
+}
+
+// At least one byte, so a launcher never mistakes the scratch for a size query.
+at::Tensor scratch(size_t bytes, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
+                   like.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> sort_ids_cuda(const at::Tensor& keys, int64_t bound) {
+  check_sort_ids_args(keys, "keys", bound);
+  const c10::cuda::CUDAGuard guard(keys.device());
+  if (keys.numel() == 0) return {at::empty_like(keys), at::empty_like(keys)};
+  return cuda_impl::sort_rows(keys, std::nullopt, bound);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cuda(const at::Tensor& index,
+                                                             int64_t bound) {
+  check_sort_ids_args(index, "index", bound);
+  const c10::cuda::CUDAGuard guard(index.device());
+  const int64_t n = index.numel();
+  auto ids = at::zeros({n}, index.options());
+  auto inverse = at::empty({n}, index.options());
+  auto count = at::empty({1}, index.options());
+  auto [sorted, perm] = n ? cuda_impl::sort_rows(index, std::nullopt, bound)
+                          : std::pair<at::Tensor, at::Tensor>{index, index};
+  auto rank = at::empty({n}, index.options());
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cuda::launch_unique_sorted(nullptr, &bytes, nullptr, nullptr, nullptr, n,
+                                            nullptr, nullptr, nullptr, stream_of(index)));
+  auto temp = scratch(bytes, index);
+  C10_CUDA_CHECK(cuda::launch_unique_sorted(
+      temp.mutable_data_ptr(), &bytes, sorted.const_data_ptr<int64_t>(),
+      perm.const_data_ptr<int64_t>(), rank.mutable_data_ptr<int64_t>(), n,
+      ids.mutable_data_ptr<int64_t>(), inverse.mutable_data_ptr<int64_t>(),
+      count.mutable_data_ptr<int64_t>(), stream_of(index)));
+  return {ids, inverse, count};
+}
+
+std::tuple<at::Tensor, at::Tensor> partition_cuda(const at::Tensor& flags) {
+  check_partition_args(flags);
+  const c10::cuda::CUDAGuard guard(flags.device());
+  const int64_t n = flags.numel();
+  auto order = at::empty({n}, flags.options().dtype(at::kLong));
+  auto count = at::empty({1}, flags.options().dtype(at::kLong));
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cuda::launch_partition(nullptr, &bytes, nullptr, n, nullptr, nullptr,
+                                        stream_of(flags)));
+  auto temp = scratch(bytes, flags);
+  C10_CUDA_CHECK(cuda::launch_partition(temp.mutable_data_ptr(), &bytes,
+                                        flags.const_data_ptr<bool>(), n,
+                                        order.mutable_data_ptr<int64_t>(),
+                                        count.mutable_data_ptr<int64_t>(), stream_of(flags)));
+  return {order, count};
+}
+
+std::tuple<at::Tensor, at::Tensor> cache_lookup_cuda(const at::Tensor& ids, const at::Tensor& count,
+                                                     const at::Tensor& slot_of, at::Tensor& freq,
+                                                     int64_t scratch_slot) {
+  check_cache_lookup_args(ids, count, slot_of, freq, scratch_slot);
+  const c10::cuda::CUDAGuard guard(ids.device());
+  const int64_t n = ids.numel();
+  auto at_slot = at::empty({n}, ids.options());
+  auto miss = at::empty({n}, ids.options().dtype(at::kBool));
+  C10_CUDA_CHECK(cuda::launch_cache_lookup(
+      ids.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(), n,
+      slot_of.const_data_ptr<int32_t>(), freq.mutable_data_ptr<float>(), scratch_slot,
+      at_slot.mutable_data_ptr<int64_t>(), miss.mutable_data_ptr<bool>(), stream_of(ids)));
+  return {at_slot, miss};
+}
+
+void age_frequencies_cuda(at::Tensor& freq, at::Tensor& age, int64_t period) {
+  check_age_args(freq, age, period);
+  const c10::cuda::CUDAGuard guard(freq.device());
+  C10_CUDA_CHECK(cuda::launch_age(freq.mutable_data_ptr<float>(), freq.numel(),
+                                  age.mutable_data_ptr<int64_t>(), period, stream_of(freq)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
+  m.impl("_sort_ids", &sort_ids_cuda);
+  m.impl("_distinct", &distinct_cuda);
+  m.impl("_partition", &partition_cuda);
+  m.impl("_cache_lookup", &cache_lookup_cuda);
+  m.impl("_age_frequencies", &age_frequencies_cuda);
+}
+
+}  // namespace speedtorch_ops

@@ -1,0 +1,168 @@
+"""The planning ops of the row cache (_sort_ids, _distinct, _partition, _cache_lookup,
+_age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
+(on the GPU machine) on CUDA; their errors; opcheck."""
+
+import numpy as np
+import pytest
+import torch
+
+from speedtorch_ops import ops
+
+from conftest import HAS_CUDA
+
+DEVICES = ["cpu", "cuda"]
+
+
+def device_of(name: str) -> torch.device:
+    if name == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
+    return torch.device(name)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+SIZES = [0, 1, 2, 7, 1000, 50_000]
+BOUNDS = [1, 5, 1000, 4_000_003, 2**40]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_sort_ids_is_a_stable_sort(device, n, bound):
+    dev = device_of(device)
+    keys = torch.randint(0, bound, (n,), generator=gen(n + bound % 97), dtype=torch.int64)
+    sorted_keys, perm = ops._sort_ids(keys.to(dev), bound)
+    want_keys, want_perm = torch.sort(keys, stable=True)
+    assert torch.equal(sorted_keys.cpu(), want_keys)
+    assert torch.equal(perm.cpu(), want_perm)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("bound", BOUNDS)
+def test_distinct_matches_unique(device, n, bound):
+    dev = device_of(device)
+    # Few distinct values for small bounds, many for large ones; duplicates either way.
+    index = torch.randint(0, min(bound, max(1, n // 3) if bound > 5 else bound), (n,),
+                          generator=gen(7 * n + 1), dtype=torch.int64)
+    if bound > 5 and n:
+        index = index * (bound // max(1, n // 3))  # spread over the whole range
+    ids, inverse, count = ops._distinct(index.to(dev), bound)
+    want, want_inverse = torch.unique(index, sorted=True, return_inverse=True)
+    c = want.numel()
+    assert count.shape == (1,) and int(count) == c
+    assert torch.equal(ids.cpu()[:c], want)
+    assert not ids.cpu()[c:].any()
+    assert torch.equal(inverse.cpu(), want_inverse)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_partition_puts_the_flagged_first(device, n, share):
+    dev = device_of(device)
+    flags = torch.rand(n, generator=gen(n)) < share
+    order, count = ops._partition(flags.to(dev))
+    f = flags.numpy()
+    want = np.concatenate([np.flatnonzero(f), np.flatnonzero(~f)[::-1]])
+    assert int(count) == f.sum()
+    assert np.array_equal(order.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,count", [(0, 0), (1, 1), (50, 0), (50, 31), (4000, 4000)])
+def test_cache_lookup(device, n, count):
+    dev = device_of(device)
+    rows, slots = 10_000, 600
+    g = gen(n * 13 + count)
+    ids = torch.randperm(rows, generator=g)[:n]
+    ids[count:] = 0  # padding, as _distinct leaves it
+    slot_of = torch.full((rows + 1,), -1, dtype=torch.int32)
+    cached = torch.randperm(rows, generator=g)[:slots]
+    slot_of[cached] = torch.randperm(slots, generator=g).int()
+    freq = torch.rand(rows + 1, generator=g) * 10
+    count_t = torch.tensor([count])
+    freq_dev = freq.clone().to(dev)
+    at, miss = ops._cache_lookup(ids.to(dev), count_t.to(dev), slot_of.to(dev), freq_dev, slots)
+    want_at = np.full(n, slots)
+    want_miss = np.zeros(n, dtype=bool)
+    want_freq = freq.double().numpy().copy()
+    for i in range(count):
+        s = int(slot_of[ids[i]])
+        want_at[i] = s if s >= 0 else slots
+        want_miss[i] = s < 0
+        want_freq[ids[i]] += 1
+    assert np.array_equal(at.cpu().numpy(), want_at)
+    assert np.array_equal(miss.cpu().numpy(), want_miss)
+    assert np.allclose(freq_dev.cpu().double().numpy(), want_freq, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("period", [1, 3, 256])
+def test_age_frequencies_halves_every_period(device, period):
+    dev = device_of(device)
+    freq = torch.rand(5000, generator=gen(period)) * 100
+    want = freq.double().clone()
+    f, age = freq.to(dev), torch.tensor([5], device=dev)
+    for step in range(6, 6 + 2 * period + 3):
+        ops._age_frequencies(f, age, period)
+        if step % period == 0:
+            want *= 0.5
+        assert int(age) == step
+    assert torch.allclose(f.cpu().double(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_are_named(device):
+    dev = device_of(device)
+    i64 = torch.zeros(4, dtype=torch.int64, device=dev)
+    i32 = torch.zeros(4, dtype=torch.int32, device=dev)
+    freq = torch.zeros(5, device=dev)
+    slot_of = torch.full((5,), -1, dtype=torch.int32, device=dev)
+    one = torch.zeros(1, dtype=torch.int64, device=dev)
+    cases = [
+        (lambda: ops._sort_ids(i32, 10), "keys must be Long"),
+        (lambda: ops._sort_ids(i64.view(2, 2), 10), "keys must be 1-D"),
+        (lambda: ops._sort_ids(i64, 0), "bound must be at least 1"),
+        (lambda: ops._distinct(i32, 10), "index must be Long"),
+        (lambda: ops._partition(i64), "flags must be Bool"),
+        (lambda: ops._cache_lookup(i32, one, slot_of, freq, 3), "ids must be Long"),
+        (lambda: ops._cache_lookup(i64, i64, slot_of, freq, 3), "count must be one int64"),
+        (lambda: ops._cache_lookup(i64, one, slot_of.long(), freq, 3), "slot_of must be Int"),
+        (lambda: ops._cache_lookup(i64, one, slot_of, freq.double(), 3), "freq must be Float"),
+        (lambda: ops._cache_lookup(i64, one, slot_of, freq[:4], 3), "freq must have slot_of's"),
+        (lambda: ops._cache_lookup(i64, one, slot_of, freq, -1), "scratch must be"),
+        (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
+        (lambda: ops._age_frequencies(freq, one, 0), "period must be at least 1"),
+    ]
+    if dev.type == "cuda":
+        cases.append((lambda: ops._cache_lookup(i64, one.cpu(), slot_of, freq, 3),
+                      "count must be on ids's device"))
+    for call, message in cases:
+        before = freq.clone()
+        with pytest.raises(RuntimeError, match=message):
+            call()
+        assert torch.equal(freq, before)  # nothing written
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    dev = device_of(device)
+    ids = torch.tensor([9, 2, 2, 7, 0], device=dev)
+    freq = torch.rand(11, device=dev)
+    slot_of = torch.tensor([-1, 0, -1, 2, -1, -1, -1, 1, -1, -1, -1], dtype=torch.int32,
+                           device=dev)
+    cases = [
+        (torch.ops.speedtorch_ops._sort_ids.default, (ids, 10)),
+        (torch.ops.speedtorch_ops._distinct.default, (ids, 10)),
+        (torch.ops.speedtorch_ops._partition.default, (ids > 3,)),
+        (torch.ops.speedtorch_ops._cache_lookup.default,
+         (torch.tensor([0, 3, 7, 0], device=dev), torch.tensor([3], device=dev), slot_of, freq,
+          3)),
+        (torch.ops.speedtorch_ops._age_frequencies.default,
+         (freq, torch.tensor([2], device=dev), 3)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
