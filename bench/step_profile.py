@@ -15,6 +15,7 @@ import collections
 import functools
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -75,8 +76,29 @@ def kernel_table(prof, steps: int, top: int) -> list:
 
 def busy_us(prof) -> float:
     """GPU time covered by at least one kernel or copy (union of their intervals)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return union_us((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def streams_table(prof, steps: int) -> list:
+    """Per CUDA stream: kernels (and copies, memsets) per step and the time they cover per
+    step. The step's own stream carries the critical path; the others (the lanes and the
+    prefetch) run beside it."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    by = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            by[e.get("args", {}).get("stream", -1)].append((e["ts"], e["ts"] + e["dur"]))
+    rows = [{"stream": s, "per_step": len(v) / steps, "busy_us_per_step": union_us(v) / steps}
+            for s, v in by.items()]
+    return sorted(rows, key=lambda r: -r["busy_us_per_step"])
+
+
+def union_us(spans) -> float:
+    spans = sorted(spans)
     total, end = 0.0, float("-inf")
     for s, t in spans:
         if t > end:
@@ -98,14 +120,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--unfused", action="store_true",
+                   help="Adam without fused=True (the demo fuses it on a GPU)")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = CORPORA[a.corpus](a.vocab, 20, a.tokens)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(64)]
     args = argparse.Namespace(vocab=a.vocab, dim=a.dim, batch=a.batch, negatives=a.negatives,
-                              lr=0.05, optimizer="adam", fused=False, cache_mb=a.budget,
-                              graph="on", prefetch=a.prefetch)
+                              lr=0.05, optimizer="adam", fused=not a.unfused,
+                              cache_mb=a.budget, graph="on", prefetch=a.prefetch)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpu": torch.cuda.get_device_name(device), "args": vars(a)}
 
@@ -128,6 +152,7 @@ def main() -> None:
         1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / a.steps
     result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
     result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
+    result["graph_streams"] = streams_table(prof, a.steps)
     del run
 
     # Eager, phases labelled.

@@ -254,6 +254,38 @@ void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
   TORCH_CHECK(scratch >= 0, "scratch must be a slot number (>= 0), got ", scratch);
 }
 
+void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
+                              const at::Tensor& at, int64_t k) {
+  check_vector(id_of, "id_of", at::kLong);
+  check_vector(freq, "freq", at::kFloat);
+  check_vector(at, "at", at::kLong);
+  check_same_device(freq, "freq", id_of, "id_of");
+  check_same_device(at, "at", id_of, "id_of");
+  TORCH_CHECK(k >= 0 && k <= id_of.numel(), "k must be in [0, ", id_of.numel(),
+              "] (the number of slots), got ", k);
+}
+
+void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
+                            const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
+                            const at::Tensor& victims, const at::Tensor& admit) {
+  check_vector(slot_of, "slot_of", at::kInt);
+  check_vector(id_of, "id_of", at::kLong);
+  check_vector(ids, "ids", at::kLong);
+  check_vector(at, "at", at::kLong);
+  check_vector(first, "first", at::kLong);
+  check_vector(victims, "victims", at::kLong);
+  check_vector(admit, "admit", at::kBool);
+  const std::pair<const at::Tensor*, const char*> others[] = {
+      {&id_of, "id_of"}, {&ids, "ids"},         {&at, "at"},
+      {&first, "first"}, {&victims, "victims"}, {&admit, "admit"}};
+  for (const auto& [t, name] : others) check_same_device(*t, name, slot_of, "slot_of");
+  TORCH_CHECK(victims.numel() == first.numel() && admit.numel() == first.numel(),
+              "first, victims and admit must have one length, got ", first.numel(), ", ",
+              victims.numel(), " and ", admit.numel());
+  TORCH_CHECK(first.numel() <= at.numel(), "first must not be longer than at (", at.numel(),
+              "), got ", first.numel());
+}
+
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period) {
   check_vector(freq, "freq", at::kFloat);
   check_one_int64(age, "age");

@@ -58,6 +58,16 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // positions: at = scratch, miss = False, nothing counted.
   m.def("_cache_lookup(Tensor ids, Tensor count, Tensor slot_of, Tensor(a!) freq, int scratch) "
         "-> (Tensor, Tensor)");
+  // (victims, cold): the k slots of least priority, ascending (ties: the lower slot first), and
+  // their priorities. A slot s of id_of (the row each slot holds, -1: none) has priority
+  // freq[id_of[s]], -1 when empty, +inf when it is in at (used by this step; entries past the
+  // slots are ignored). 0 <= k <= slots.
+  m.def("_coldest_slots(Tensor id_of, Tensor freq, Tensor at, int k) -> (Tensor, Tensor)");
+  // dest: at, where each admitted miss (admit[j]) has its victim's slot: for each such j the
+  // row ids[first[j]] takes slot victims[j] in the map (slot_of, id_of), and the row that held
+  // it leaves the map. Victims distinct slots, the admitted rows distinct and not cached.
+  m.def("_cache_admit(Tensor(a!) slot_of, Tensor(b!) id_of, Tensor ids, Tensor at, "
+        "Tensor first, Tensor victims, Tensor admit) -> Tensor");
   // age += 1; when age reaches a multiple of period, every freq halves (LFU aging decided on
   // the device, so a captured step ages too).
   m.def("_age_frequencies(Tensor(a!) freq, Tensor(b!) age, int period) -> ()");

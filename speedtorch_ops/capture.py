@@ -18,11 +18,12 @@ microseconds per step instead of milliseconds of Python and kernel launches.
 Every call trains one step: the first ``warmup`` calls run eagerly on a side stream (CUDA graphs
 need the allocations and lazy initialisations done before capture), the next one captures and
 replays. What a step may do: only GPU work with shapes fixed by the ids' shapes (the modules
-qualify: a step never makes the host wait), optimizers built with ``capturable=True`` (or
-``fused=True``), dense gradients kept between steps (``zero_grad(set_to_none=False)``). The
-ids are checked on the host against ``rows`` before they are copied in, so the modules need not
-check them on the GPU (``bounds_check="prechecked"``). Returned tensors are the graph's own
-outputs, overwritten by the next call: clone what you keep. Anything that reallocates what the
+qualify: a step never makes the host wait), optimizers built with ``capturable=True`` (fused or
+not: torch refuses to capture one without it), dense gradients kept between steps
+(``zero_grad(set_to_none=False)``). The ids are checked on the host against ``rows`` before
+they are copied in, so the modules need not check them on the GPU
+(``bounds_check="prechecked"``). Returned tensors are the graph's own outputs, overwritten by the
+next call: clone what you keep. Anything that reallocates what the
 graph uses (``set_cache_bytes``, a new optimizer) needs a new ``CapturedStep``. A step that
 fails inside the capture raises its own error; torch leaves the process's CUDA random generator
 unusable after a failed capture, so start a new process.

@@ -236,7 +236,7 @@ class _HostRowsModule(nn.Module):
         if on_host:
             raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} keeps {on_host} on "
                                "the CPU, which a CUDA graph cannot update; build it with "
-                               "capturable=True or fused=True (where it has them)")
+                               "capturable=True (where it has it)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # the rows' gradients live per step
         self._rows.grad = None

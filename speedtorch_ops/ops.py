@@ -148,6 +148,21 @@ def _cache_lookup(ids: Tensor, count: Tensor, slot_of: Tensor, freq: Tensor, scr
     return _ops._cache_lookup.default(ids, count, slot_of, freq, scratch)
 
 
+def _coldest_slots(id_of: Tensor, freq: Tensor, at: Tensor, k: int):
+    """(victims, cold): the ``k`` slots of least priority, ascending (ties: the lower slot
+    first), and their priorities. Slot ``s`` (``id_of[s]``: its row, -1: none) has priority
+    ``freq[id_of[s]]``, -1 when empty, +inf when it is in ``at`` (used by this step)."""
+    return _ops._coldest_slots.default(id_of, freq, at, k)
+
+
+def _cache_admit(slot_of: Tensor, id_of: Tensor, ids: Tensor, at: Tensor, first: Tensor,
+                 victims: Tensor, admit: Tensor) -> Tensor:
+    """Each admitted miss (``admit[j]``: row ``ids[first[j]]``) takes slot ``victims[j]`` in the
+    map (``slot_of``, ``id_of``, in place) and the row that held it leaves; returns ``at`` with
+    those positions on their new slots."""
+    return _ops._cache_admit.default(slot_of, id_of, ids, at, first, victims, admit)
+
+
 def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
     """``age += 1`` (one int64) and, when it reaches a multiple of ``period``, ``freq`` halves;
     in place, decided on the device."""
@@ -276,6 +291,19 @@ def _partition_fake(flags: Tensor):
 def _cache_lookup_fake(ids, count, slot_of, freq, scratch: int):
     _check_index_meta(ids, "ids")
     return torch.empty_like(ids), ids.new_empty(ids.shape, dtype=torch.bool)
+
+
+@torch.library.register_fake("speedtorch_ops::_coldest_slots")
+def _coldest_slots_fake(id_of, freq, at, k: int):
+    torch._check(0 <= k <= id_of.shape[0], lambda: f"k must be in [0, {id_of.shape[0]}]")
+    return id_of.new_empty(k), freq.new_empty(k)
+
+
+@torch.library.register_fake("speedtorch_ops::_cache_admit")
+def _cache_admit_fake(slot_of, id_of, ids, at, first, victims, admit):
+    torch._check(first.shape == victims.shape == admit.shape,
+                 lambda: "first, victims and admit must have one length")
+    return torch.empty_like(at)
 
 
 @torch.library.register_fake("speedtorch_ops::_age_frequencies")

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 namespace speedtorch_ops {
@@ -77,6 +78,47 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cpu(const at::Tensor& ids, const
   return {at_slot, miss};
 }
 
+std::tuple<at::Tensor, at::Tensor> coldest_slots_cpu(const at::Tensor& id_of,
+                                                     const at::Tensor& freq, const at::Tensor& at,
+                                                     int64_t k) {
+  check_coldest_slots_args(id_of, freq, at, k);
+  const int64_t slots = id_of.numel();
+  auto prio = at::empty({slots}, freq.options());
+  const int64_t* id = id_of.const_data_ptr<int64_t>();
+  const float* f = freq.const_data_ptr<float>();
+  float* p = prio.mutable_data_ptr<float>();
+  for (int64_t s = 0; s < slots; ++s) p[s] = id[s] >= 0 ? f[id[s]] : -1.0f;
+  const int64_t* used = at.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < at.numel(); ++i) {
+    if (used[i] >= 0 && used[i] < slots) p[used[i]] = std::numeric_limits<float>::infinity();
+  }
+  auto [cold, victims] = at::sort(prio, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  return {victims.narrow(0, 0, k).contiguous(), cold.narrow(0, 0, k).contiguous()};
+}
+
+at::Tensor cache_admit_cpu(at::Tensor& slot_of, at::Tensor& id_of, const at::Tensor& ids,
+                           const at::Tensor& at, const at::Tensor& first,
+                           const at::Tensor& victims, const at::Tensor& admit) {
+  check_cache_admit_args(slot_of, id_of, ids, at, first, victims, admit);
+  auto dest = at.clone();
+  int32_t* slot = slot_of.mutable_data_ptr<int32_t>();
+  int64_t* held = id_of.mutable_data_ptr<int64_t>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int64_t* pos = first.const_data_ptr<int64_t>();
+  const int64_t* vic = victims.const_data_ptr<int64_t>();
+  const bool* yes = admit.const_data_ptr<bool>();
+  int64_t* d = dest.mutable_data_ptr<int64_t>();
+  for (int64_t j = 0; j < first.numel(); ++j) {
+    if (!yes[j]) continue;
+    const int64_t v = vic[j], row = id[pos[j]];
+    if (held[v] >= 0) slot[held[v]] = -1;
+    slot[row] = static_cast<int32_t>(v);
+    held[v] = row;
+    d[pos[j]] = v;
+  }
+  return dest;
+}
+
 void age_frequencies_cpu(at::Tensor& freq, at::Tensor& age, int64_t period) {
   check_age_args(freq, age, period);
   int64_t* steps = age.mutable_data_ptr<int64_t>();
@@ -90,6 +132,8 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
   m.impl("_distinct", &distinct_cpu);
   m.impl("_partition", &partition_cpu);
   m.impl("_cache_lookup", &cache_lookup_cpu);
+  m.impl("_coldest_slots", &coldest_slots_cpu);
+  m.impl("_cache_admit", &cache_admit_cpu);
   m.impl("_age_frequencies", &age_frequencies_cpu);
 }
 

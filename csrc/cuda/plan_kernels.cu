@@ -2,6 +2,7 @@
 #include "plan_kernels.h"
 
 #include <cub/cub.cuh>
+#include <math_constants.h>
 #include <thrust/iterator/counting_iterator.h>
 
 #include <algorithm>
@@ -74,6 +75,62 @@ __global__ void halve_if_due_kernel(float* freq, int64_t n, const int64_t* age, 
 
 __global__ void count_step_kernel(int64_t* age) { *age += 1; }
 
+// Float bits as an unsigned key of the same order (negative floats reversed below the others).
+__device__ uint32_t order_key(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void slot_priority_kernel(const int64_t* id_of, int64_t slots, const float* freq,
+                                     float* prio, uint32_t* keys, int64_t* slot) {
+  for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < slots;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t id = id_of[s];
+    const float p = id >= 0 ? freq[id] : -1.0f;
+    prio[s] = p;
+    keys[s] = order_key(p);
+    slot[s] = s;
+  }
+}
+
+__global__ void exclude_used_kernel(const int64_t* at, int64_t n, int64_t slots, float* prio,
+                                    uint32_t* keys) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t s = at[i];
+    if (s >= 0 && s < slots) {
+      prio[s] = CUDART_INF_F;
+      keys[s] = order_key(CUDART_INF_F);
+    }
+  }
+}
+
+__global__ void take_coldest_kernel(const int64_t* slot_out, int64_t k, const float* prio,
+                                    int64_t* victims, float* cold) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t s = slot_out[j];
+    victims[j] = s;
+    cold[j] = prio[s];
+  }
+}
+
+__global__ void cache_admit_kernel(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
+                                   const int64_t* first, const int64_t* victims,
+                                   const bool* admit, int64_t k, int64_t* dest) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (!admit[j]) continue;
+    const int64_t v = victims[j];
+    const int64_t row = ids[first[j]];
+    const int64_t old = id_of[v];
+    if (old >= 0) slot_of[old] = -1;
+    slot_of[row] = static_cast<int32_t>(v);
+    id_of[v] = row;
+    dest[first[j]] = v;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_iota(int64_t* out, int64_t n, cudaStream_t stream) {
@@ -123,6 +180,42 @@ cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_
   if (n == 0) return cudaSuccess;
   cache_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, count, n, slot_of, freq,
                                                               scratch, at, miss);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
+                                 int64_t slots, const float* freq, const int64_t* at, int64_t n,
+                                 int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
+                                 int64_t* slot_in, int64_t* slot_out, int64_t* victims,
+                                 float* cold, cudaStream_t stream) {
+  if (slots > INT_MAX || k > slots) return cudaErrorInvalidValue;
+  if (temp == nullptr) {
+    return cub::DeviceRadixSort::SortPairs(nullptr, *temp_bytes, keys_in, keys_out, slot_in,
+                                           slot_out, static_cast<int>(slots), 0, 32, stream);
+  }
+  if (slots == 0) return cudaSuccess;
+  slot_priority_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(id_of, slots, freq, prio,
+                                                                   keys_in, slot_in);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (n > 0) {
+    exclude_used_kernel<<<blocks_for(n), kThreads, 0, stream>>>(at, n, slots, prio, keys_in);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  err = cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, slot_in, slot_out,
+                                        static_cast<int>(slots), 0, 32, stream);
+  if (err != cudaSuccess || k == 0) return err;
+  take_coldest_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_cache_admit(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
+                               const int64_t* first, const int64_t* victims, const bool* admit,
+                               int64_t k, int64_t* dest, cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  cache_admit_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_of, id_of, ids, first, victims,
+                                                             admit, k, dest);
   return cudaGetLastError();
 }
 

@@ -30,6 +30,25 @@ cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_
                                 const int32_t* slot_of, float* freq, int64_t scratch,
                                 int64_t* at, bool* miss, cudaStream_t stream);
 
+// The victims of a step: prio[s] = freq[id_of[s]] for an occupied slot s < slots (id_of[s] >=
+// 0), -1 for an empty one, +inf for a slot in at[0:n] (used by the step; entries >= slots are
+// ignored); victims[0:k] the k slots of least prio, ascending (ties: the lower slot first), and
+// cold[j] = prio[victims[j]]. prio (slots floats), keys_in/keys_out (slots uint32 each),
+// slot_in/slot_out (slots int64 each): scratch. slots < 2^31.
+cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
+                                 int64_t slots, const float* freq, const int64_t* at, int64_t n,
+                                 int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
+                                 int64_t* slot_in, int64_t* slot_out, int64_t* victims,
+                                 float* cold, cudaStream_t stream);
+
+// For j < k with admit[j]: the miss r = ids[first[j]] takes slot v = victims[j] (slot_of[r] =
+// v, id_of[v] = r, dest[first[j]] = v), and the row that held v, if any, leaves the map
+// (slot_of[old] = -1). Victims are distinct slots, the misses distinct uncached rows: no two
+// threads write one place.
+cudaError_t launch_cache_admit(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
+                               const int64_t* first, const int64_t* victims, const bool* admit,
+                               int64_t k, int64_t* dest, cudaStream_t stream);
+
 // Counts one step in *age; when the count reaches a multiple of period, freq[0:n] halves. The
 // kernel over freq returns at once on the other steps, so a captured step pays no pass.
 cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream);

@@ -88,6 +88,47 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cuda(const at::Tensor& ids, cons
   return {at_slot, miss};
 }
 
+std::tuple<at::Tensor, at::Tensor> coldest_slots_cuda(const at::Tensor& id_of,
+                                                      const at::Tensor& freq, const at::Tensor& at,
+                                                      int64_t k) {
+  check_coldest_slots_args(id_of, freq, at, k);
+  const c10::cuda::CUDAGuard guard(id_of.device());
+  const int64_t slots = id_of.numel();
+  auto victims = at::empty({k}, id_of.options());
+  auto cold = at::empty({k}, freq.options());
+  auto prio = at::empty({slots}, freq.options());
+  auto keys = at::empty({2, slots}, id_of.options().dtype(at::kInt));  // uint32 bits
+  auto slot = at::empty({2, slots}, id_of.options());
+  auto* keys_in = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
+  size_t bytes = 0;
+  const auto go = [&](void* temp) {
+    return cuda::launch_coldest_slots(
+        temp, &bytes, id_of.const_data_ptr<int64_t>(), slots, freq.const_data_ptr<float>(),
+        at.const_data_ptr<int64_t>(), at.numel(), k, prio.mutable_data_ptr<float>(), keys_in,
+        keys_in + slots, slot.mutable_data_ptr<int64_t>(),
+        slot.mutable_data_ptr<int64_t>() + slots, victims.mutable_data_ptr<int64_t>(),
+        cold.mutable_data_ptr<float>(), stream_of(id_of));
+  };
+  C10_CUDA_CHECK(go(nullptr));
+  auto temp = scratch(bytes, id_of);
+  C10_CUDA_CHECK(go(temp.mutable_data_ptr()));
+  return {victims, cold};
+}
+
+at::Tensor cache_admit_cuda(at::Tensor& slot_of, at::Tensor& id_of, const at::Tensor& ids,
+                            const at::Tensor& at, const at::Tensor& first,
+                            const at::Tensor& victims, const at::Tensor& admit) {
+  check_cache_admit_args(slot_of, id_of, ids, at, first, victims, admit);
+  const c10::cuda::CUDAGuard guard(slot_of.device());
+  auto dest = at.clone();
+  C10_CUDA_CHECK(cuda::launch_cache_admit(
+      slot_of.mutable_data_ptr<int32_t>(), id_of.mutable_data_ptr<int64_t>(),
+      ids.const_data_ptr<int64_t>(), first.const_data_ptr<int64_t>(),
+      victims.const_data_ptr<int64_t>(), admit.const_data_ptr<bool>(), first.numel(),
+      dest.mutable_data_ptr<int64_t>(), stream_of(slot_of)));
+  return dest;
+}
+
 void age_frequencies_cuda(at::Tensor& freq, at::Tensor& age, int64_t period) {
   check_age_args(freq, age, period);
   const c10::cuda::CUDAGuard guard(freq.device());
@@ -102,6 +143,8 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
   m.impl("_distinct", &distinct_cuda);
   m.impl("_partition", &partition_cuda);
   m.impl("_cache_lookup", &cache_lookup_cuda);
+  m.impl("_coldest_slots", &coldest_slots_cuda);
+  m.impl("_cache_admit", &cache_admit_cuda);
   m.impl("_age_frequencies", &age_frequencies_cuda);
 }
 

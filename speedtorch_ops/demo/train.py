@@ -156,9 +156,10 @@ class ModuleTraining:
         # 1.04x without one); eager steps when the optimizer cannot be captured.
         self.graphed = device.type == "cuda" and (
             graph == "on" or (graph == "auto" and not cpu_step))
-        if self.graphed and not kwargs.get("fused") and "capturable" in inspect.signature(
-                cls).parameters:
-            kwargs["capturable"] = True  # the step counter stays on the GPU
+        if self.graphed and "capturable" in inspect.signature(cls).parameters:
+            # The step counter stays on the GPU; torch refuses to capture an optimizer without
+            # it, fused or not.
+            kwargs["capturable"] = True
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
                                            device=device, cache_bytes=share,
                                            bounds_check="prechecked" if self.graphed else "raise")

@@ -94,14 +94,11 @@ def _among(ids: Tensor, of: "Distinct") -> Tensor:
 class Victims(NamedTuple):
     """A step's admission decisions (made at stage, applied at commit): the victim slots (the
     coldest unused ones, coldest first), the staged positions of the first k misses paired with
-    them and their ids, which are admitted, the rows the victim slots held, which of those were
-    evicted, and how many (one int64 on the device)."""
+    them, which of those are admitted, and how many rows the victims' slots gave back to the
+    host (one int64 on the device)."""
     slots: Tensor
     first: Tensor
-    miss_ids: Tensor
     admit: Tensor
-    old: Tensor
-    evict: Tensor
     evicted: Tensor
 
 
@@ -415,15 +412,11 @@ class CachedRows(HostRows):
         the lane, beside the step's training kernels); their slots are overwritten at commit,
         after the lane joins."""
         k = min(d.n, self.slots)
-        occupied = self.id_of[: self.slots] >= 0
-        prio = torch.where(occupied, self.freq[self.id_of[: self.slots].clamp(min=0)],
-                           torch.full_like(self.freq[:1], -1.0).expand(self.slots))
-        prio = self._exclude_hits(prio, at)
-        victims = torch.topk(prio, k, largest=False, sorted=True).indices  # coldest first
+        # Coldest first; slots holding rows of this step (`at`) cannot be victims.
+        victims, cold = ops._coldest_slots(self.id_of[: self.slots], self.freq, at, k)
         j = d.positions[:k]
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         miss_ids = d.ids[first]
-        cold = prio[victims]
         admit = (j < misses) & torch.isfinite(cold)  # a slot this step does not use
         if self.admission == "frequency":
             admit &= self.freq[miss_ids] >= cold
@@ -435,14 +428,12 @@ class CachedRows(HostRows):
         evicted = evict.sum().view(1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
                    sms=self._lane_sms)
-        return Victims(victims, first, miss_ids, admit, old, evict, evicted)
+        return Victims(victims, first, admit, evicted)
 
     def commit(self) -> None:
-        d, buf, at, order, misses, (victims, first, miss_ids, admit, old, evict, evicted) = \
-            self._take()
+        d, buf, at, order, misses, (victims, first, admit, evicted) = self._take()
         self._join()  # the evicted rows are on the host: their slots can be overwritten
         self.stats[3] += evicted[0]
-        scratch = self.slots
         k = first.numel()
         # Misses not admitted go straight back to the host, on the lane while the cache and its
         # map take the step's rows (no row is in both).
@@ -456,19 +447,12 @@ class CachedRows(HostRows):
                        sms=self._lane_sms)
             self._lane_done = self._lane_event()
         self._lane_uses = [buf, rest_rows, back, rest_count]
-        # Each staged row's slot: hits their own, admitted misses their victim's, the rest the
-        # scratch slot; one copy per part puts them all back.
-        dest = at.index_copy(0, first, torch.where(admit, victims, at[first]))
+        # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
+        # misses their victim's, the rest the scratch slot; one copy per part puts them all
+        # back.
+        dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         for part, rows in zip(self.cache, buf):
             _wide(part).index_copy_(0, dest, _wide(rows))
-        # The map follows. Scalars go in through index_fill_: a Python scalar assigned by
-        # indexing is copied up from pageable memory, which makes the host wait for the GPU.
-        dump_row, dump_slot = self.slot_of.numel() - 1, scratch
-        self.slot_of.index_fill_(0, torch.where(evict, old, dump_row), -1)
-        self.slot_of.index_copy_(0, torch.where(admit, miss_ids, dump_row),
-                                 victims.to(torch.int32))
-        self.id_of.index_copy_(0, torch.where(admit, victims, dump_slot),
-                               torch.where(admit, miss_ids, -1))
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)
@@ -522,11 +506,6 @@ class CachedRows(HostRows):
         super().reset()
         self.slot_of.fill_(-1)
         self.id_of.fill_(-1)
-
-    def _exclude_hits(self, prio: Tensor, at: Tensor) -> Tensor:
-        """Slots holding rows of this step (`at`: each entry's slot, the scratch slot for misses
-        and padding) cannot be victims."""
-        return torch.cat([prio, prio.new_zeros(1)]).index_fill_(0, at, float("inf"))[:-1]
 
     def flush(self) -> None:
         """Write every cached row to the host table (it is then complete); the rows stay cached.

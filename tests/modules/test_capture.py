@@ -30,9 +30,10 @@ def step_fn(emb, head, opt):
     return train_step
 
 
-def build(init, slots, bounds_check):
+def build(init, slots, bounds_check, fused=False):
     emb = so.HostEmbedding.from_pretrained(
-        init, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},
+        init, optimizer=torch.optim.Adam,
+        optimizer_kwargs={"lr": 0.05, "capturable": True, "fused": fused},
         device="cuda", bounds_check=bounds_check,
         cache_bytes=ROWS * 8 + slots * init[0].nbytes * 3 if slots else 0)
     head = nn.Linear(DIM, 1, dtype=torch.float64, device="cuda")
@@ -55,11 +56,12 @@ def batches(steps, gen):
 
 @cuda_only
 @pytest.mark.parametrize("slots", [0, 7, 25])
-def test_captured_steps_train_like_eager(slots, gen):
+@pytest.mark.parametrize("fused", [False, True])
+def test_captured_steps_train_like_eager(slots, fused, gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     data = batches(12, gen)
-    emb_e, head_e, eager = build(init, slots, "raise")
-    emb_g, head_g, graphed = build(init, slots, "prechecked")
+    emb_e, head_e, eager = build(init, slots, "raise", fused)
+    emb_g, head_g, graphed = build(init, slots, "prechecked", fused)
     captured = so.CapturedStep(graphed, rows=(ROWS, ROWS), warmup=2)
     losses = []
     for ids, other in data:

@@ -1,5 +1,5 @@
 """The planning ops of the row cache (_sort_ids, _distinct, _partition, _cache_lookup,
-_age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
+_coldest_slots, _cache_admit, _age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
 (on the GPU machine) on CUDA; their errors; opcheck."""
 
 import numpy as np
@@ -100,6 +100,61 @@ def test_cache_lookup(device, n, count):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots,n,k", [(0, 0, 0), (1, 3, 1), (50, 20, 0), (50, 20, 50),
+                                       (70_000, 9000, 9000), (70_000, 0, 300)])
+def test_coldest_slots(device, slots, n, k):
+    dev = device_of(device)
+    rows = 100_000
+    g = gen(slots + n + k)
+    id_of = torch.randperm(rows, generator=g)[:slots]
+    id_of[torch.rand(slots, generator=g) < 0.2] = -1  # empty slots
+    freq = torch.randint(0, 30, (rows,), generator=g).float()  # many ties
+    at = torch.randint(0, slots + 1, (n,), generator=g)  # slots + 1: the scratch slot
+    victims, cold = ops._coldest_slots(id_of.to(dev), freq.to(dev), at.to(dev), k)
+    prio = np.where(id_of.numpy() >= 0, freq.numpy()[id_of.clamp(min=0).numpy()], -1.0)
+    used = at.numpy()[at.numpy() < slots]
+    prio[used] = np.inf
+    want = np.argsort(prio, kind="stable")[:k]
+    assert np.array_equal(victims.cpu().numpy(), want)
+    assert np.array_equal(cold.cpu().numpy(), prio[want].astype(np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k", [(0, 0), (5, 5), (400, 100), (5000, 5000)])
+def test_cache_admit(device, n, k):
+    dev = device_of(device)
+    rows, slots = 20_000, 8000
+    g = gen(n + 3 * k)
+    held = torch.randperm(rows, generator=g)[:slots]
+    id_of = torch.cat([held, torch.tensor([-1])])  # the scratch slot holds nothing
+    id_of[:slots][torch.rand(slots, generator=g) < 0.3] = -1
+    slot_of = torch.full((rows + 1,), -1, dtype=torch.int32)
+    live = id_of[:slots] >= 0
+    slot_of[id_of[:slots][live]] = torch.arange(slots, dtype=torch.int32)[live]
+    uncached = torch.nonzero(slot_of[:rows] < 0).flatten()
+    ids = uncached[torch.randperm(uncached.numel(), generator=g)[:n]]  # the misses
+    at = torch.full((n,), slots)
+    first = torch.randperm(n, generator=g)[:k]
+    victims = torch.randperm(slots, generator=g)[:k]
+    admit = torch.rand(k, generator=g) < 0.7
+    want_slot_of, want_id_of, want_dest = slot_of.clone(), id_of.clone(), at.clone()
+    for j in range(k):
+        if admit[j]:
+            v, row = int(victims[j]), int(ids[first[j]])
+            if want_id_of[v] >= 0:
+                want_slot_of[want_id_of[v]] = -1
+            want_slot_of[row] = v
+            want_id_of[v] = row
+            want_dest[first[j]] = v
+    s, i = slot_of.to(dev), id_of.to(dev)
+    dest = ops._cache_admit(s, i, ids.to(dev), at.to(dev), first.to(dev), victims.to(dev),
+                            admit.to(dev))
+    assert torch.equal(dest.cpu(), want_dest)
+    assert torch.equal(s.cpu(), want_slot_of)
+    assert torch.equal(i.cpu(), want_id_of)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("period", [1, 3, 256])
 def test_age_frequencies_halves_every_period(device, period):
     dev = device_of(device)
@@ -134,6 +189,11 @@ def test_bad_arguments_are_named(device):
         (lambda: ops._cache_lookup(i64, one, slot_of, freq.double(), 3), "freq must be Float"),
         (lambda: ops._cache_lookup(i64, one, slot_of, freq[:4], 3), "freq must have slot_of's"),
         (lambda: ops._cache_lookup(i64, one, slot_of, freq, -1), "scratch must be"),
+        (lambda: ops._coldest_slots(i32, freq, i64, 2), "id_of must be Long"),
+        (lambda: ops._coldest_slots(i64, freq, i64, 5), "k must be in"),
+        (lambda: ops._cache_admit(slot_of, i64, i64, i64, i64, i64, i64), "admit must be Bool"),
+        (lambda: ops._cache_admit(slot_of, i64, i64, i64, i64, i64[:3], i64 == 0),
+         "first, victims and admit must have one length"),
         (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
         (lambda: ops._age_frequencies(freq, one, 0), "period must be at least 1"),
     ]
@@ -161,6 +221,12 @@ def test_opcheck(device):
         (torch.ops.speedtorch_ops._cache_lookup.default,
          (torch.tensor([0, 3, 7, 0], device=dev), torch.tensor([3], device=dev), slot_of, freq,
           3)),
+        (torch.ops.speedtorch_ops._coldest_slots.default,
+         (torch.tensor([3, -1, 0, 7], device=dev), freq, torch.tensor([2, 4], device=dev), 3)),
+        (torch.ops.speedtorch_ops._cache_admit.default,
+         (slot_of.clone(), torch.tensor([1, 7, 3, -1], device=dev), torch.tensor([5, 4, 0],
+          device=dev), torch.tensor([3, 3, 2], device=dev), torch.tensor([1, 0], device=dev),
+          torch.tensor([2, 1], device=dev), torch.tensor([True, False], device=dev))),
         (torch.ops.speedtorch_ops._age_frequencies.default,
          (freq, torch.tensor([2], device=dev), 3)),
     ]

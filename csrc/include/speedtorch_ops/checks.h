@@ -116,6 +116,15 @@ void check_partition_args(const at::Tensor& flags);
 // as slot_of; all contiguous on one device; scratch >= 0.
 void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
                              const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch);
+// _coldest_slots: id_of and at 1-D int64, freq 1-D float32, all contiguous on one device;
+// 0 <= k <= id_of's length.
+void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
+                              const at::Tensor& at, int64_t k);
+// _cache_admit: slot_of 1-D int32, id_of, ids, at, first, victims 1-D int64, admit 1-D bool;
+// first, victims and admit of one length, at most at's; all contiguous on one device.
+void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
+                            const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
+                            const at::Tensor& victims, const at::Tensor& admit);
 // _age_frequencies: freq 1-D float32, age one int64, both contiguous on one device; period >= 1.
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period);
 
