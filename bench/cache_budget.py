@@ -174,9 +174,10 @@ def main() -> None:
     p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
                    help="with overlap: the most SMs of the side stream's transfer kernels (0: "
                         "all); several: one run each")
-    p.add_argument("--ahead-sms", type=int, nargs="+", default=[0],
+    p.add_argument("--ahead-sms", type=int, nargs="+", default=[32],
                    help="without a cache, with prefetch: the most SMs of the prefetch's transfer "
-                        "kernels (HostRows.ahead_sms; 0: no cap); several: one run each")
+                        "kernels (HostRows.ahead_sms, default 32; 0: no cap); several: one run "
+                        "each")
     p.add_argument("--admission", nargs="+", choices=["frequency", "always"],
                    default=["frequency"],
                    help="with a cache: the caches' admission rule "

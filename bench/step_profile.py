@@ -89,12 +89,40 @@ def streams_table(prof, steps: int) -> list:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     by = collections.defaultdict(list)
+    work = []
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             by[e.get("args", {}).get("stream", -1)].append((e["ts"], e["ts"] + e["dur"]))
+            work.append((e["ts"], e["ts"] + e["dur"], any(t in e.get("name", "")
+                                                           for t in TRANSFERS)))
     rows = [{"stream": s, "per_step": len(v) / steps, "busy_us_per_step": union_us(v) / steps}
             for s, v in by.items()]
-    return sorted(rows, key=lambda r: -r["busy_us_per_step"])
+    return sorted(rows, key=lambda r: -r["busy_us_per_step"]), overlap_table(work, steps)
+
+
+TRANSFERS = ("gather_sorted", "copy_rows")  # the kernels that move rows over the host link
+
+
+def overlap_table(work, steps: int) -> dict:
+    """Per step, between the first and the last kernel: time with nothing running, with only
+    host-link transfer kernels running (the step waits on the link there), and with other
+    kernels running (transfers beside them or not)."""
+    edges = sorted([(s, 1, t) for s, _, t in work] + [(e, -1, t) for _, e, t in work])
+    active = {True: 0, False: 0}
+    idle = link_only = compute = 0.0
+    last = edges[0][0] if edges else 0.0
+    for time_, step, transfer in edges:
+        span = time_ - last
+        if active[False]:
+            compute += span
+        elif active[True]:
+            link_only += span
+        else:
+            idle += span
+        active[transfer] += step
+        last = time_
+    return {"idle_us": idle / steps, "link_only_us": link_only / steps,
+            "compute_us": compute / steps}
 
 
 def union_us(spans) -> float:
@@ -152,7 +180,7 @@ def main() -> None:
         1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / a.steps
     result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
     result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
-    result["graph_streams"] = streams_table(prof, a.steps)
+    result["graph_streams"], result["graph_overlap"] = streams_table(prof, a.steps)
     del run
 
     # Eager, phases labelled.

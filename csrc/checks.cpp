@@ -233,12 +233,20 @@ void check_one_int64(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
+void check_items(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.numel() <= std::numeric_limits<int32_t>::max(), name, " has ", t.numel(),
+              " entries; at most 2^31 - 1 per call");
+}
+
 void check_sort_ids_args(const at::Tensor& keys, const char* name, int64_t bound) {
   check_vector(keys, name, at::kLong);
   TORCH_CHECK(bound >= 1, "bound must be at least 1 (the keys are below it), got ", bound);
 }
 
-void check_partition_args(const at::Tensor& flags) { check_vector(flags, "flags", at::kBool); }
+void check_partition_args(const at::Tensor& flags) {
+  check_vector(flags, "flags", at::kBool);
+  check_items(flags, "flags");
+}
 
 void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
                              const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch) {
@@ -257,6 +265,7 @@ void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
                               const at::Tensor& at, int64_t k) {
   check_vector(id_of, "id_of", at::kLong);
+  check_items(id_of, "id_of");
   check_vector(freq, "freq", at::kFloat);
   check_vector(at, "at", at::kLong);
   check_same_device(freq, "freq", id_of, "id_of");

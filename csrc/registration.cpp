@@ -44,7 +44,8 @@ TORCH_LIBRARY(speedtorch_ops, m) {
         "Tensor slots, bool load, Tensor? count=None, *, str bounds_check='deferred', int sms=0) -> ()");
   // Planning a row cache's step on the device (private, for the stores): fixed shapes, counts
   // known only on the device stay there, nothing waits. Values are trusted (the stores check
-  // ids on the host); one out of range gives an unspecified result, never a stray write.
+  // ids on the host); one out of range gives an unspecified result, but nothing is read or
+  // written outside the tensors.
   // (keys sorted ascending, stably; the position of each), sorting only the bits below bound.
   m.def("_sort_ids(Tensor keys, int bound) -> (Tensor, Tensor)");
   // (ids, inverse, count): ids[:count] the distinct keys of index ascending, ids[count:] zero;

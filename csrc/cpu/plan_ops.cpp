@@ -21,6 +21,7 @@ std::tuple<at::Tensor, at::Tensor> sort_ids_cpu(const at::Tensor& keys, int64_t 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& index,
                                                             int64_t bound) {
   check_sort_ids_args(index, "index", bound);
+  check_items(index, "index");
   const int64_t n = index.numel();
   auto [sorted, perm] = at::sort(index, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   auto ids = at::zeros({n}, index.options());
@@ -69,7 +70,9 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cpu(const at::Tensor& ids, const
   float* f = freq.mutable_data_ptr<float>();
   int64_t* a = at_slot.mutable_data_ptr<int64_t>();
   bool* m = miss.mutable_data_ptr<bool>();
+  const int64_t rows = slot_of.numel();
   for (int64_t i = 0; i < valid; ++i) {
+    if (id[i] < 0 || id[i] >= rows) continue;  // out of range (trusted, never expected)
     const int32_t s = slot[id[i]];
     if (s >= 0) a[i] = s;
     m[i] = s < 0;
@@ -87,7 +90,8 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cpu(const at::Tensor& id_of,
   const int64_t* id = id_of.const_data_ptr<int64_t>();
   const float* f = freq.const_data_ptr<float>();
   float* p = prio.mutable_data_ptr<float>();
-  for (int64_t s = 0; s < slots; ++s) p[s] = id[s] >= 0 ? f[id[s]] : -1.0f;
+  const int64_t rows = freq.numel();
+  for (int64_t s = 0; s < slots; ++s) p[s] = id[s] >= 0 && id[s] < rows ? f[id[s]] : -1.0f;
   const int64_t* used = at.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < at.numel(); ++i) {
     if (used[i] >= 0 && used[i] < slots) p[used[i]] = std::numeric_limits<float>::infinity();
@@ -108,10 +112,13 @@ at::Tensor cache_admit_cpu(at::Tensor& slot_of, at::Tensor& id_of, const at::Ten
   const int64_t* vic = victims.const_data_ptr<int64_t>();
   const bool* yes = admit.const_data_ptr<bool>();
   int64_t* d = dest.mutable_data_ptr<int64_t>();
+  const int64_t rows = slot_of.numel(), slots = id_of.numel(), n = ids.numel();
   for (int64_t j = 0; j < first.numel(); ++j) {
-    if (!yes[j]) continue;
+    // Out-of-range entries (trusted, never expected) are skipped, as on the GPU.
+    if (!yes[j] || vic[j] < 0 || vic[j] >= slots || pos[j] < 0 || pos[j] >= n) continue;
     const int64_t v = vic[j], row = id[pos[j]];
-    if (held[v] >= 0) slot[held[v]] = -1;
+    if (row < 0 || row >= rows) continue;
+    if (held[v] >= 0 && held[v] < rows) slot[held[v]] = -1;
     slot[row] = static_cast<int32_t>(v);
     held[v] = row;
     d[pos[j]] = v;

@@ -47,13 +47,13 @@ __global__ void scatter_unique_kernel(const int64_t* sorted, const int64_t* perm
 __global__ void zero_kernel(int64_t* x) { *x = 0; }
 
 __global__ void cache_lookup_kernel(const int64_t* ids, const int64_t* count, int64_t n,
-                                    const int32_t* slot_of, float* freq, int64_t scratch,
-                                    int64_t* at, bool* miss) {
+                                    const int32_t* slot_of, int64_t rows, float* freq,
+                                    int64_t scratch, int64_t* at, bool* miss) {
   const int64_t valid = min(n, *count);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (i < valid) {
-      const int64_t id = ids[i];
+    const int64_t id = i < valid ? ids[i] : -1;
+    if (id >= 0 && id < rows) {  // an id out of range (trusted, never expected) touches nothing
       const int32_t s = slot_of[id];
       at[i] = s >= 0 ? s : scratch;
       miss[i] = s < 0;
@@ -82,11 +82,11 @@ __device__ uint32_t order_key(float f) {
 }
 
 __global__ void slot_priority_kernel(const int64_t* id_of, int64_t slots, const float* freq,
-                                     float* prio, uint32_t* keys, int64_t* slot) {
+                                     int64_t rows, float* prio, uint32_t* keys, int64_t* slot) {
   for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < slots;
        s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t id = id_of[s];
-    const float p = id >= 0 ? freq[id] : -1.0f;
+    const float p = id >= 0 && id < rows ? freq[id] : -1.0f;
     prio[s] = p;
     keys[s] = order_key(p);
     slot[s] = s;
@@ -115,19 +115,23 @@ __global__ void take_coldest_kernel(const int64_t* slot_out, int64_t k, const fl
   }
 }
 
-__global__ void cache_admit_kernel(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
-                                   const int64_t* first, const int64_t* victims,
-                                   const bool* admit, int64_t k, int64_t* dest) {
+__global__ void cache_admit_kernel(int32_t* slot_of, int64_t rows, int64_t* id_of, int64_t slots,
+                                   const int64_t* ids, int64_t n, const int64_t* first,
+                                   const int64_t* victims, const bool* admit, int64_t k,
+                                   int64_t* dest) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (!admit[j]) continue;
-    const int64_t v = victims[j];
-    const int64_t row = ids[first[j]];
+    // Out-of-range entries (trusted, never expected) are skipped: nothing outside the tensors.
+    const int64_t v = victims[j], at = first[j];
+    if (v < 0 || v >= slots || at < 0 || at >= n) continue;
+    const int64_t row = ids[at];
+    if (row < 0 || row >= rows) continue;
     const int64_t old = id_of[v];
-    if (old >= 0) slot_of[old] = -1;
+    if (old >= 0 && old < rows) slot_of[old] = -1;
     slot_of[row] = static_cast<int32_t>(v);
     id_of[v] = row;
-    dest[first[j]] = v;
+    dest[at] = v;
   }
 }
 
@@ -175,16 +179,17 @@ cudaError_t launch_partition(void* temp, size_t* temp_bytes, const bool* flags, 
 }
 
 cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_t n,
-                                const int32_t* slot_of, float* freq, int64_t scratch,
-                                int64_t* at, bool* miss, cudaStream_t stream) {
+                                const int32_t* slot_of, int64_t rows, float* freq,
+                                int64_t scratch, int64_t* at, bool* miss, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  cache_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, count, n, slot_of, freq,
+  cache_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, count, n, slot_of, rows, freq,
                                                               scratch, at, miss);
   return cudaGetLastError();
 }
 
 cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
-                                 int64_t slots, const float* freq, const int64_t* at, int64_t n,
+                                 int64_t slots, const float* freq, int64_t rows,
+                                 const int64_t* at, int64_t n,
                                  int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
                                  int64_t* slot_in, int64_t* slot_out, int64_t* victims,
                                  float* cold, cudaStream_t stream) {
@@ -193,9 +198,9 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
     return cub::DeviceRadixSort::SortPairs(nullptr, *temp_bytes, keys_in, keys_out, slot_in,
                                            slot_out, static_cast<int>(slots), 0, 32, stream);
   }
-  if (slots == 0) return cudaSuccess;
-  slot_priority_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(id_of, slots, freq, prio,
-                                                                   keys_in, slot_in);
+  if (slots == 0 || k == 0) return cudaSuccess;
+  slot_priority_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(id_of, slots, freq, rows,
+                                                                   prio, keys_in, slot_in);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (n > 0) {
@@ -205,17 +210,18 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
   }
   err = cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, slot_in, slot_out,
                                         static_cast<int>(slots), 0, 32, stream);
-  if (err != cudaSuccess || k == 0) return err;
+  if (err != cudaSuccess) return err;
   take_coldest_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
   return cudaGetLastError();
 }
 
-cudaError_t launch_cache_admit(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
-                               const int64_t* first, const int64_t* victims, const bool* admit,
-                               int64_t k, int64_t* dest, cudaStream_t stream) {
+cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, int64_t slots,
+                               const int64_t* ids, int64_t n, const int64_t* first,
+                               const int64_t* victims, const bool* admit, int64_t k,
+                               int64_t* dest, cudaStream_t stream) {
   if (k == 0) return cudaSuccess;
-  cache_admit_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_of, id_of, ids, first, victims,
-                                                             admit, k, dest);
+  cache_admit_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_of, rows, id_of, slots, ids, n,
+                                                             first, victims, admit, k, dest);
   return cudaGetLastError();
 }
 

@@ -25,18 +25,20 @@ cudaError_t launch_partition(void* temp, size_t* temp_bytes, const bool* flags, 
                              int64_t* order, int64_t* count, cudaStream_t stream);
 
 // For i < min(n, *count): s = slot_of[ids[i]]; at[i] = s >= 0 ? s : scratch, miss[i] = s < 0,
-// freq[ids[i]] += 1. Other positions: at[i] = scratch, miss[i] = false.
+// freq[ids[i]] += 1. Other positions, and ids outside [0, rows) (slot_of's and freq's length):
+// at[i] = scratch, miss[i] = false.
 cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_t n,
-                                const int32_t* slot_of, float* freq, int64_t scratch,
-                                int64_t* at, bool* miss, cudaStream_t stream);
+                                const int32_t* slot_of, int64_t rows, float* freq,
+                                int64_t scratch, int64_t* at, bool* miss, cudaStream_t stream);
 
-// The victims of a step: prio[s] = freq[id_of[s]] for an occupied slot s < slots (id_of[s] >=
-// 0), -1 for an empty one, +inf for a slot in at[0:n] (used by the step; entries >= slots are
+// The victims of a step: prio[s] = freq[id_of[s]] for an occupied slot s < slots (id_of[s] in
+// [0, rows), freq's length), -1 for an empty one, +inf for a slot in at[0:n] (used by the step; entries >= slots are
 // ignored); victims[0:k] the k slots of least prio, ascending (ties: the lower slot first), and
 // cold[j] = prio[victims[j]]. prio (slots floats), keys_in/keys_out (slots uint32 each),
 // slot_in/slot_out (slots int64 each): scratch. slots < 2^31.
 cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
-                                 int64_t slots, const float* freq, const int64_t* at, int64_t n,
+                                 int64_t slots, const float* freq, int64_t rows,
+                                 const int64_t* at, int64_t n,
                                  int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
                                  int64_t* slot_in, int64_t* slot_out, int64_t* victims,
                                  float* cold, cudaStream_t stream);
@@ -44,10 +46,12 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
 // For j < k with admit[j]: the miss r = ids[first[j]] takes slot v = victims[j] (slot_of[r] =
 // v, id_of[v] = r, dest[first[j]] = v), and the row that held v, if any, leaves the map
 // (slot_of[old] = -1). Victims are distinct slots, the misses distinct uncached rows: no two
-// threads write one place.
-cudaError_t launch_cache_admit(int32_t* slot_of, int64_t* id_of, const int64_t* ids,
-                               const int64_t* first, const int64_t* victims, const bool* admit,
-                               int64_t k, int64_t* dest, cudaStream_t stream);
+// threads write one place. Entries out of range (a victim outside [0, slots), first[j] outside
+// [0, n), a row outside [0, rows)) are skipped.
+cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, int64_t slots,
+                               const int64_t* ids, int64_t n, const int64_t* first,
+                               const int64_t* victims, const bool* admit, int64_t k,
+                               int64_t* dest, cudaStream_t stream);
 
 // Counts one step in *age; when the count reaches a multiple of period, freq[0:n] halves. The
 // kernel over freq returns at once on the other steps, so a captured step pays no pass.

@@ -36,6 +36,7 @@ std::tuple<at::Tensor, at::Tensor> sort_ids_cuda(const at::Tensor& keys, int64_t
 std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cuda(const at::Tensor& index,
                                                              int64_t bound) {
   check_sort_ids_args(index, "index", bound);
+  check_items(index, "index");
   const c10::cuda::CUDAGuard guard(index.device());
   const int64_t n = index.numel();
   auto ids = at::zeros({n}, index.options());
@@ -83,7 +84,8 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cuda(const at::Tensor& ids, cons
   auto miss = at::empty({n}, ids.options().dtype(at::kBool));
   C10_CUDA_CHECK(cuda::launch_cache_lookup(
       ids.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(), n,
-      slot_of.const_data_ptr<int32_t>(), freq.mutable_data_ptr<float>(), scratch_slot,
+      slot_of.const_data_ptr<int32_t>(), slot_of.numel(), freq.mutable_data_ptr<float>(),
+      scratch_slot,
       at_slot.mutable_data_ptr<int64_t>(), miss.mutable_data_ptr<bool>(), stream_of(ids)));
   return {at_slot, miss};
 }
@@ -104,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cuda(const at::Tensor& id_of,
   const auto go = [&](void* temp) {
     return cuda::launch_coldest_slots(
         temp, &bytes, id_of.const_data_ptr<int64_t>(), slots, freq.const_data_ptr<float>(),
-        at.const_data_ptr<int64_t>(), at.numel(), k, prio.mutable_data_ptr<float>(), keys_in,
+        freq.numel(), at.const_data_ptr<int64_t>(), at.numel(), k, prio.mutable_data_ptr<float>(), keys_in,
         keys_in + slots, slot.mutable_data_ptr<int64_t>(),
         slot.mutable_data_ptr<int64_t>() + slots, victims.mutable_data_ptr<int64_t>(),
         cold.mutable_data_ptr<float>(), stream_of(id_of));
@@ -122,8 +124,8 @@ at::Tensor cache_admit_cuda(at::Tensor& slot_of, at::Tensor& id_of, const at::Te
   const c10::cuda::CUDAGuard guard(slot_of.device());
   auto dest = at.clone();
   C10_CUDA_CHECK(cuda::launch_cache_admit(
-      slot_of.mutable_data_ptr<int32_t>(), id_of.mutable_data_ptr<int64_t>(),
-      ids.const_data_ptr<int64_t>(), first.const_data_ptr<int64_t>(),
+      slot_of.mutable_data_ptr<int32_t>(), slot_of.numel(), id_of.mutable_data_ptr<int64_t>(),
+      id_of.numel(), ids.const_data_ptr<int64_t>(), ids.numel(), first.const_data_ptr<int64_t>(),
       victims.const_data_ptr<int64_t>(), admit.const_data_ptr<bool>(), first.numel(),
       dest.mutable_data_ptr<int64_t>(), stream_of(slot_of)));
   return dest;

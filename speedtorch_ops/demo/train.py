@@ -169,10 +169,9 @@ class ModuleTraining:
         self.u.reset_parameters(lambda w: so.fill_random_(w, "uniform", -bound, bound))
         self.v.reset_parameters(lambda w: so.fill_random_(w, "normal", 0.0, bound))
         # Each step prefetches the next one's rows (a captured step takes its ids as inputs).
-        # auto: where it measured faster on the H100, a captured step with a cache (1.03-1.07x
-        # in four runs; without a cache 0.84-0.96x, as a step's rows are all loaded and all
-        # written back, over the same link).
-        self.prefetching = prefetch == "on" or (prefetch == "auto" and self.graphed and cache > 0)
+        # auto: where it measured faster on the H100, a captured step (with a cache 1.06x;
+        # without one 1.13x once the prefetch's transfers were capped at 32 SMs).
+        self.prefetching = prefetch == "on" or (prefetch == "auto" and self.graphed)
 
     def cache_split(self, cache_mb: float) -> tuple:
         """(u's, v's) cache bytes: the budget split by ids per step (v sees a context and the

@@ -70,17 +70,22 @@ class Distinct:
         self.valid = self.positions < self.count
 
 
-def _wide(rows: Tensor) -> Tensor:
-    """`rows` (contiguous, rows along dim 0) viewed with the widest element (up to 16 bytes)
-    that divides a row: torch's index and where kernels then move 16-byte elements where they
-    moved 4-byte ones (the cache's row copies ran at a third of the GPU's bandwidth)."""
-    row_bytes = rows.shape[-1] * rows.element_size()
+def _wide(*tensors: Tensor) -> tuple:
+    """`tensors` (contiguous, of one dtype and row shape, rows along dim 0) viewed with the
+    widest element (up to 16 bytes) that divides a row and fits every tensor's offset: torch's
+    index and where kernels then move 16-byte elements where they moved 4-byte ones (the
+    cache's row copies ran at a third of the GPU's bandwidth). Unchanged where none fits."""
+    first = tensors[0]
+    if first.dim() < 2:
+        return tensors
+    item = first.element_size()
+    row_bytes = first.shape[-1] * item
     for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
-        if size > rows.element_size() and row_bytes % size == 0 and \
-                rows.data_ptr() % size == 0:
-            return rows.view(dtype)
-    return rows
+        if size > item and row_bytes % size == 0 and all(
+                t.is_contiguous() and t.storage_offset() * item % size == 0 for t in tensors):
+            return tuple(t.view(dtype) for t in tensors)
+    return tensors
 
 
 def _among(ids: Tensor, of: "Distinct") -> Tensor:
@@ -187,7 +192,8 @@ class HostRows:
             take = miss & carry.loaded & (carry.ids == d.ids)
             keep = take.view(-1, *[1] * len(self.row_shape))
             for part, rows in zip(carry.buf, buf):
-                torch.where(keep, _wide(part), _wide(rows), out=_wide(rows))
+                src, dst = _wide(part, rows)
+                torch.where(keep, src, dst, out=dst)
             self.stats[5] += take.sum()
         carry.loaded.zero_()
         return take
@@ -239,10 +245,11 @@ class HostRows:
         self.stats[6] += want.sum()
 
     # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
-    # training kernels. The cache's lane measured best capped (16 of 132 on the H100); without a
-    # cache the prefetch is uncapped, and measured slower than no prefetch: a cap there has not
-    # been timed yet (bench/cache_budget.py --ahead-sms).
-    ahead_sms = 0
+    # training kernels. Uncapped, they took the SMs the training kernels needed and the
+    # prefetch lost to none (223.3 against 243.5 steps/s, captured, no cache, uniform corpus,
+    # H100); capped at 8 / 16 / 32 SMs it won (252.7 / 266.4 / 276.3): bench/cache_budget.py
+    # --ahead-sms. The cache's lane has its own cap (lane_sms).
+    ahead_sms = 32
 
     @property
     def _ahead_sms(self) -> int:
@@ -452,7 +459,8 @@ class CachedRows(HostRows):
         # back.
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         for part, rows in zip(self.cache, buf):
-            _wide(part).index_copy_(0, dest, _wide(rows))
+            into, staged = _wide(part, rows)
+            into.index_copy_(0, dest, staged)
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)

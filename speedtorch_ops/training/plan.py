@@ -81,7 +81,7 @@ class Plan:
         plan.bounds_check = bounds_check
         plan.cpu = None
         plan.device = index.device
-        plan._index = index.reshape(-1).to(torch.int64)
+        plan._index = index.reshape(-1).to(torch.int64).contiguous()  # a column of a batch too
         plan._init_cache()
         return plan
 

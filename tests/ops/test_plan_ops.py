@@ -44,11 +44,10 @@ def test_sort_ids_is_a_stable_sort(device, n, bound):
 @pytest.mark.parametrize("bound", BOUNDS)
 def test_distinct_matches_unique(device, n, bound):
     dev = device_of(device)
-    # Few distinct values for small bounds, many for large ones; duplicates either way.
-    index = torch.randint(0, min(bound, max(1, n // 3) if bound > 5 else bound), (n,),
-                          generator=gen(7 * n + 1), dtype=torch.int64)
-    if bound > 5 and n:
-        index = index * (bound // max(1, n // 3))  # spread over the whole range
+    # About n / 3 distinct values (duplicates), spread over the whole range below bound.
+    distinct = max(1, min(bound, n // 3))
+    index = torch.randint(0, distinct, (n,), generator=gen(7 * n + 1), dtype=torch.int64)
+    index *= max(1, bound // distinct)
     ids, inverse, count = ops._distinct(index.to(dev), bound)
     want, want_inverse = torch.unique(index, sorted=True, return_inverse=True)
     c = want.numel()
@@ -72,7 +71,7 @@ def test_partition_puts_the_flagged_first(device, n, share):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n,count", [(0, 0), (1, 1), (50, 0), (50, 31), (4000, 4000)])
+@pytest.mark.parametrize("n,count", [(0, 0), (1, 1), (50, 0), (50, 31), (50, 80), (4000, 4000)])
 def test_cache_lookup(device, n, count):
     dev = device_of(device)
     rows, slots = 10_000, 600
@@ -89,7 +88,7 @@ def test_cache_lookup(device, n, count):
     want_at = np.full(n, slots)
     want_miss = np.zeros(n, dtype=bool)
     want_freq = freq.double().numpy().copy()
-    for i in range(count):
+    for i in range(min(count, n)):
         s = int(slot_of[ids[i]])
         want_at[i] = s if s >= 0 else slots
         want_miss[i] = s < 0
@@ -155,13 +154,42 @@ def test_cache_admit(device, n, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("period", [1, 3, 256])
+def test_out_of_range_entries_touch_nothing(device):
+    """The ops trust their values, but one out of range is skipped, not written through."""
+    dev = device_of(device)
+    rows, slots = 10, 4
+    slot_of = torch.tensor([-1, 0, -1, 2, -1, -1, -1, 1, -1, -1, -1], dtype=torch.int32)
+    id_of = torch.tensor([1, 7, 3, -1, -1])  # slots 0-3 and the scratch slot
+    freq = torch.rand(rows + 1, generator=gen(1))
+    ids = torch.tensor([2, rows + 5, -3, 7])
+    f = freq.clone().to(dev)
+    at, miss = ops._cache_lookup(ids.to(dev), torch.tensor([4], device=dev), slot_of.to(dev), f,
+                                 slots)
+    assert at.tolist() == [slots, slots, slots, 1] and miss.tolist() == [True, False, False, False]
+    want = freq.clone()
+    want[2] += 1
+    want[7] += 1
+    assert torch.equal(f.cpu(), want)
+    s, i = slot_of.clone().to(dev), id_of.clone().to(dev)
+    dest = ops._cache_admit(s, i, ids.to(dev), at, torch.tensor([0, 1, 9], device=dev),
+                            torch.tensor([99, 3, 2], device=dev),
+                            torch.tensor([True, True, True], device=dev))
+    # Entry 0: victim 99 is no slot; entry 1: ids[1] is no row; entry 2: position 9 is past ids.
+    assert torch.equal(dest.cpu(), at.cpu())
+    assert torch.equal(s.cpu(), slot_of) and torch.equal(i.cpu(), id_of)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("period", [1, 3, 256, 300_000])
 def test_age_frequencies_halves_every_period(device, period):
     dev = device_of(device)
-    freq = torch.rand(5000, generator=gen(period)) * 100
+    freq = torch.rand(300_000, generator=gen(period)) * 100  # more than the kernel's grid
     want = freq.double().clone()
     f, age = freq.to(dev), torch.tensor([5], device=dev)
-    for step in range(6, 6 + 2 * period + 3):
+    steps = range(6, 6 + 2 * period + 3) if period < 1000 else [6, 7, period, period + 1]
+    for step in steps:
+        if step != int(age) + 1:  # jump ahead: the count only decides when to halve
+            age.fill_(step - 1)
         ops._age_frequencies(f, age, period)
         if step % period == 0:
             want *= 0.5
@@ -194,6 +222,10 @@ def test_bad_arguments_are_named(device):
         (lambda: ops._cache_admit(slot_of, i64, i64, i64, i64, i64, i64), "admit must be Bool"),
         (lambda: ops._cache_admit(slot_of, i64, i64, i64, i64, i64[:3], i64 == 0),
          "first, victims and admit must have one length"),
+        (lambda: ops._cache_admit(slot_of, i64, i64, i64[:2], i64[:3], i64[:3], i64[:3] == 0),
+         "first must not be longer than at"),
+        (lambda: ops._coldest_slots(i64, freq.cpu() if dev.type == "cuda" else freq.double(),
+                                    i64, 2), "freq must be"),
         (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
         (lambda: ops._age_frequencies(freq, one, 0), "period must be at least 1"),
     ]
@@ -201,10 +233,11 @@ def test_bad_arguments_are_named(device):
         cases.append((lambda: ops._cache_lookup(i64, one.cpu(), slot_of, freq, 3),
                       "count must be on ids's device"))
     for call, message in cases:
-        before = freq.clone()
+        before = [t.clone() for t in (freq, slot_of, i64, one)]
         with pytest.raises(RuntimeError, match=message):
             call()
-        assert torch.equal(freq, before)  # nothing written
+        for t, b in zip((freq, slot_of, i64, one), before):
+            assert torch.equal(t, b)  # nothing written
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -232,3 +265,17 @@ def test_opcheck(device):
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distinct_ids_of_a_strided_plan(device):
+    """Ids given as a column of a batch (a strided view) plan like contiguous ones."""
+    from speedtorch_ops.training.cache import Distinct
+    from speedtorch_ops.training.plan import Plan
+    dev = device_of(device)
+    batch = torch.randint(0, 50, (300, 3), generator=gen(5)).to(dev)
+    d = Distinct(Plan.on_device(batch[:, 1], "prechecked"), 50)
+    want, inverse = torch.unique(batch[:, 1].cpu(), return_inverse=True)
+    assert int(d.count) == want.numel()
+    assert torch.equal(d.ids.cpu()[: want.numel()], want)
+    assert torch.equal(d.inverse.cpu(), inverse)

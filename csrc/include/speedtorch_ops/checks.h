@@ -110,14 +110,16 @@ c10::Device check_sorted_transfer_args(const at::Tensor& table, at::TensorList p
 // contracts), shared by both devices. _sort_ids and _distinct: keys 1-D int64, contiguous;
 // bound >= 1.
 void check_sort_ids_args(const at::Tensor& keys, const char* name, int64_t bound);
-// _partition: flags 1-D bool, contiguous.
+// Of a planning op's 1-D input: at most 2^31 - 1 entries (cub's item count), naming `name`.
+void check_items(const at::Tensor& t, const char* name);
+// _partition: flags 1-D bool, contiguous, at most 2^31 - 1 entries.
 void check_partition_args(const at::Tensor& flags);
 // _cache_lookup: ids 1-D int64; count one int64; slot_of 1-D int32; freq 1-D float32 as long
 // as slot_of; all contiguous on one device; scratch >= 0.
 void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
                              const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch);
-// _coldest_slots: id_of and at 1-D int64, freq 1-D float32, all contiguous on one device;
-// 0 <= k <= id_of's length.
+// _coldest_slots: id_of (at most 2^31 - 1 slots) and at 1-D int64, freq 1-D float32, all
+// contiguous on one device; 0 <= k <= id_of's length.
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
                               const at::Tensor& at, int64_t k);
 // _cache_admit: slot_of 1-D int32, id_of, ids, at, first, victims 1-D int64, admit 1-D bool;
