@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
                    help="module engine: load the next batch's rows (those the caches miss) on a "
                         "side stream while the current batch trains (HostEmbedding.prefetch; "
                         "a captured step takes the next batch's ids as inputs); auto: on in a "
-                        "captured step (on the H100 1.06x with a cache, 1.13x without), else off")
+                        "captured step (on the H100 0.97-1.06x with a cache, 1.13-1.23x without), "
+                        "else off")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
                    default="auto",
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "

@@ -169,8 +169,8 @@ class ModuleTraining:
         self.u.reset_parameters(lambda w: so.fill_random_(w, "uniform", -bound, bound))
         self.v.reset_parameters(lambda w: so.fill_random_(w, "normal", 0.0, bound))
         # Each step prefetches the next one's rows (a captured step takes its ids as inputs).
-        # auto: where it measured faster on the H100, a captured step (with a cache 1.06x;
-        # without one 1.13x once the prefetch's transfers were capped at 32 SMs).
+        # auto: in a captured step (on the H100 with a cache 0.97-1.06x in two runs; without
+        # one 1.13-1.23x once the prefetch's transfers were capped at 32 SMs).
         self.prefetching = prefetch == "on" or (prefetch == "auto" and self.graphed)
 
     def cache_split(self, cache_mb: float) -> tuple:
