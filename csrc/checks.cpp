@@ -274,6 +274,26 @@ void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
               "] (the number of slots), got ", k);
 }
 
+void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
+                          const at::Tensor& victims, const at::Tensor& cold,
+                          const at::Tensor& misses, const at::Tensor& freq,
+                          const at::Tensor& id_of) {
+  check_vector(ids, "ids", at::kLong);
+  check_vector(first, "first", at::kLong);
+  check_vector(victims, "victims", at::kLong);
+  check_vector(cold, "cold", at::kFloat);
+  check_one_int64(misses, "misses");
+  check_vector(freq, "freq", at::kFloat);
+  check_vector(id_of, "id_of", at::kLong);
+  const std::pair<const at::Tensor*, const char*> others[] = {
+      {&first, "first"}, {&victims, "victims"}, {&cold, "cold"},
+      {&misses, "misses"}, {&freq, "freq"},     {&id_of, "id_of"}};
+  for (const auto& [t, name] : others) check_same_device(*t, name, ids, "ids");
+  TORCH_CHECK(victims.numel() == first.numel() && cold.numel() == first.numel(),
+              "first, victims and cold must have one length, got ", first.numel(), ", ",
+              victims.numel(), " and ", cold.numel());
+}
+
 void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
                             const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
                             const at::Tensor& victims, const at::Tensor& admit) {

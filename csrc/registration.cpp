@@ -64,6 +64,13 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // freq[id_of[s]], -1 when empty, +inf when it is in at (used by this step; entries past the
   // slots are ignored). 0 <= k <= slots.
   m.def("_coldest_slots(Tensor id_of, Tensor freq, Tensor at, int k) -> (Tensor, Tensor)");
+  // (admit, keys, evicted) of a step's first k = len(first) misses paired with their victims:
+  // admit[j] when j < misses (one int64), the victim's slot is free to take (cold[j] finite)
+  // and, with by_frequency, the miss ids[first[j]] is used at least as often as the victim
+  // (freq[miss] >= cold[j]); keys[j] the row the victim's slot held when it is evicted (admitted
+  // and holding a row; id_of gives it), else len(freq), to sort; evicted how many (one int64).
+  m.def("_admission(Tensor ids, Tensor first, Tensor victims, Tensor cold, Tensor misses, "
+        "Tensor freq, Tensor id_of, bool by_frequency) -> (Tensor, Tensor, Tensor)");
   // dest: at, where each admitted miss (admit[j]) has its victim's slot: for each such j the
   // row ids[first[j]] takes slot victims[j] in the map (slot_of, id_of), and the row that held
   // it leaves the map. Victims distinct slots, the admitted rows distinct and not cached.

@@ -155,6 +155,16 @@ def _coldest_slots(id_of: Tensor, freq: Tensor, at: Tensor, k: int):
     return _ops._coldest_slots.default(id_of, freq, at, k)
 
 
+def _admission(ids: Tensor, first: Tensor, victims: Tensor, cold: Tensor, misses: Tensor,
+               freq: Tensor, id_of: Tensor, by_frequency: bool):
+    """(admit, keys, evicted) for the misses at positions ``first`` of ``ids`` paired with the
+    slots ``victims`` (priorities ``cold``): ``admit[j]`` for the first ``misses`` (one int64)
+    whose victim's slot is free to take (finite ``cold``) and, ``by_frequency``, used no more
+    often than the miss; ``keys[j]`` the row the victim's slot held (``id_of``) when it is
+    evicted, else ``len(freq)``; ``evicted`` how many (one int64)."""
+    return _ops._admission.default(ids, first, victims, cold, misses, freq, id_of, by_frequency)
+
+
 def _cache_admit(slot_of: Tensor, id_of: Tensor, ids: Tensor, at: Tensor, first: Tensor,
                  victims: Tensor, admit: Tensor) -> Tensor:
     """Each admitted miss (``admit[j]``: row ``ids[first[j]]``) takes slot ``victims[j]`` in the
@@ -297,6 +307,14 @@ def _cache_lookup_fake(ids, count, slot_of, freq, scratch: int):
 def _coldest_slots_fake(id_of, freq, at, k: int):
     torch._check(0 <= k <= id_of.shape[0], lambda: f"k must be in [0, {id_of.shape[0]}]")
     return id_of.new_empty(k), freq.new_empty(k)
+
+
+@torch.library.register_fake("speedtorch_ops::_admission")
+def _admission_fake(ids, first, victims, cold, misses, freq, id_of, by_frequency: bool):
+    torch._check(first.shape == victims.shape == cold.shape,
+                 lambda: "first, victims and cold must have one length")
+    return first.new_empty(first.shape, dtype=torch.bool), torch.empty_like(first), \
+        first.new_empty(1)
 
 
 @torch.library.register_fake("speedtorch_ops::_cache_admit")

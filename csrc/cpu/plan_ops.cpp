@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -100,6 +101,38 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cpu(const at::Tensor& id_of,
   return {victims.narrow(0, 0, k).contiguous(), cold.narrow(0, 0, k).contiguous()};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> admission_cpu(
+    const at::Tensor& ids, const at::Tensor& first, const at::Tensor& victims,
+    const at::Tensor& cold, const at::Tensor& misses, const at::Tensor& freq,
+    const at::Tensor& id_of, bool by_frequency) {
+  check_admission_args(ids, first, victims, cold, misses, freq, id_of);
+  const int64_t k = first.numel(), n = ids.numel(), rows = freq.numel(), slots = id_of.numel();
+  auto admit = at::empty({k}, ids.options().dtype(at::kBool));
+  auto keys = at::empty({k}, ids.options());
+  const int64_t m = misses.item<int64_t>();  // a CPU tensor: no wait
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int64_t* pos = first.const_data_ptr<int64_t>();
+  const int64_t* vic = victims.const_data_ptr<int64_t>();
+  const float* c = cold.const_data_ptr<float>();
+  const float* f = freq.const_data_ptr<float>();
+  const int64_t* held = id_of.const_data_ptr<int64_t>();
+  bool* yes = admit.mutable_data_ptr<bool>();
+  int64_t* key = keys.mutable_data_ptr<int64_t>();
+  int64_t evicted = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t row = pos[j] >= 0 && pos[j] < n ? id[pos[j]] : -1;
+    bool ok = j < m && std::isfinite(c[j]) && row >= 0 && row < rows && vic[j] >= 0 &&
+              vic[j] < slots;
+    if (ok && by_frequency) ok = f[row] >= c[j];
+    const int64_t old = ok ? held[vic[j]] : -1;
+    const bool evict = old >= 0 && old < rows;
+    yes[j] = ok;
+    key[j] = evict ? old : rows;
+    evicted += evict;
+  }
+  return {admit, keys, at::full({1}, evicted, keys.options())};
+}
+
 at::Tensor cache_admit_cpu(at::Tensor& slot_of, at::Tensor& id_of, const at::Tensor& ids,
                            const at::Tensor& at, const at::Tensor& first,
                            const at::Tensor& victims, const at::Tensor& admit) {
@@ -140,6 +173,7 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
   m.impl("_partition", &partition_cpu);
   m.impl("_cache_lookup", &cache_lookup_cpu);
   m.impl("_coldest_slots", &coldest_slots_cpu);
+  m.impl("_admission", &admission_cpu);
   m.impl("_cache_admit", &cache_admit_cpu);
   m.impl("_age_frequencies", &age_frequencies_cpu);
 }

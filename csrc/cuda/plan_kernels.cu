@@ -115,6 +115,26 @@ __global__ void take_coldest_kernel(const int64_t* slot_out, int64_t k, const fl
   }
 }
 
+__global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* first,
+                                 const int64_t* victims, const float* cold, int64_t k,
+                                 const int64_t* misses, const float* freq, const int64_t* id_of,
+                                 int64_t slots, int64_t rows, bool by_frequency, bool* admit,
+                                 int64_t* keys, unsigned long long* evicted) {
+  const int64_t m = *misses;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = first[j], v = victims[j];
+    const int64_t row = at >= 0 && at < n ? ids[at] : -1;
+    bool yes = j < m && isfinite(cold[j]) && row >= 0 && row < rows && v >= 0 && v < slots;
+    if (yes && by_frequency) yes = freq[row] >= cold[j];
+    const int64_t old = yes ? id_of[v] : -1;
+    const bool evict = old >= 0 && old < rows;
+    admit[j] = yes;
+    keys[j] = evict ? old : rows;
+    if (evict) atomicAdd(evicted, 1ull);
+  }
+}
+
 __global__ void cache_admit_kernel(int32_t* slot_of, int64_t rows, int64_t* id_of, int64_t slots,
                                    const int64_t* ids, int64_t n, const int64_t* first,
                                    const int64_t* victims, const bool* admit, int64_t k,
@@ -212,6 +232,18 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
                                         static_cast<int>(slots), 0, 32, stream);
   if (err != cudaSuccess) return err;
   take_coldest_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_admission(const int64_t* ids, int64_t n, const int64_t* first,
+                             const int64_t* victims, const float* cold, int64_t k,
+                             const int64_t* misses, const float* freq, const int64_t* id_of,
+                             int64_t slots, int64_t rows, bool by_frequency, bool* admit,
+                             int64_t* keys, int64_t* evicted, cudaStream_t stream) {
+  if (k == 0) return cudaSuccess;
+  admission_kernel<<<blocks_for(k), kThreads, 0, stream>>>(
+      ids, n, first, victims, cold, k, misses, freq, id_of, slots, rows, by_frequency, admit,
+      keys, reinterpret_cast<unsigned long long*>(evicted));
   return cudaGetLastError();
 }
 

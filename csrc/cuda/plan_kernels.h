@@ -43,6 +43,16 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
                                  int64_t* slot_in, int64_t* slot_out, int64_t* victims,
                                  float* cold, cudaStream_t stream);
 
+// For j < k: admit[j] = j < *misses, cold[j] finite and (unless !by_frequency) freq[r] >=
+// cold[j] for the miss r = ids[first[j]]; the row held by victims[j] (old) is evicted when admit[j]
+// and old is a row: keys[j] = old, else rows; *evicted counts the evicted (zeroed by the
+// caller). Entries out of range are not admitted.
+cudaError_t launch_admission(const int64_t* ids, int64_t n, const int64_t* first,
+                             const int64_t* victims, const float* cold, int64_t k,
+                             const int64_t* misses, const float* freq, const int64_t* id_of,
+                             int64_t slots, int64_t rows, bool by_frequency, bool* admit,
+                             int64_t* keys, int64_t* evicted, cudaStream_t stream);
+
 // For j < k with admit[j]: the miss r = ids[first[j]] takes slot v = victims[j] (slot_of[r] =
 // v, id_of[v] = r, dest[first[j]] = v), and the row that held v, if any, leaves the map
 // (slot_of[old] = -1). Victims are distinct slots, the misses distinct uncached rows: no two

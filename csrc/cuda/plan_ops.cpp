@@ -117,6 +117,26 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cuda(const at::Tensor& id_of,
   return {victims, cold};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> admission_cuda(
+    const at::Tensor& ids, const at::Tensor& first, const at::Tensor& victims,
+    const at::Tensor& cold, const at::Tensor& misses, const at::Tensor& freq,
+    const at::Tensor& id_of, bool by_frequency) {
+  check_admission_args(ids, first, victims, cold, misses, freq, id_of);
+  const c10::cuda::CUDAGuard guard(ids.device());
+  const int64_t k = first.numel();
+  auto admit = at::empty({k}, ids.options().dtype(at::kBool));
+  auto keys = at::empty({k}, ids.options());
+  auto evicted = at::zeros({1}, ids.options());
+  C10_CUDA_CHECK(cuda::launch_admission(
+      ids.const_data_ptr<int64_t>(), ids.numel(), first.const_data_ptr<int64_t>(),
+      victims.const_data_ptr<int64_t>(), cold.const_data_ptr<float>(), k,
+      misses.const_data_ptr<int64_t>(), freq.const_data_ptr<float>(),
+      id_of.const_data_ptr<int64_t>(), id_of.numel(), freq.numel(), by_frequency,
+      admit.mutable_data_ptr<bool>(), keys.mutable_data_ptr<int64_t>(),
+      evicted.mutable_data_ptr<int64_t>(), stream_of(ids)));
+  return {admit, keys, evicted};
+}
+
 at::Tensor cache_admit_cuda(at::Tensor& slot_of, at::Tensor& id_of, const at::Tensor& ids,
                             const at::Tensor& at, const at::Tensor& first,
                             const at::Tensor& victims, const at::Tensor& admit) {
@@ -146,6 +166,7 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
   m.impl("_partition", &partition_cuda);
   m.impl("_cache_lookup", &cache_lookup_cuda);
   m.impl("_coldest_slots", &coldest_slots_cuda);
+  m.impl("_admission", &admission_cuda);
   m.impl("_cache_admit", &cache_admit_cuda);
   m.impl("_age_frequencies", &age_frequencies_cuda);
 }

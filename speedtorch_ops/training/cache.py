@@ -421,18 +421,14 @@ class CachedRows(HostRows):
         k = min(d.n, self.slots)
         # Coldest first; slots holding rows of this step (`at`) cannot be victims.
         victims, cold = ops._coldest_slots(self.id_of[: self.slots], self.freq, at, k)
-        j = d.positions[:k]
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
-        miss_ids = d.ids[first]
-        admit = (j < misses) & torch.isfinite(cold)  # a slot this step does not use
-        if self.admission == "frequency":
-            admit &= self.freq[miss_ids] >= cold
-        old = self.id_of[victims]
-        evict = admit & (old >= 0)
-        # Evicted rows in address order.
-        rows = self.host.shape[0]
-        ev_sorted, ev_order = ops._sort_ids(torch.where(evict, old, rows), rows + 1)
-        evicted = evict.sum().view(1)
+        # A miss takes a slot this step does not use (finite priority), with "frequency" only
+        # one used less often than itself; the rows such slots held are evicted.
+        admit, keys, evicted = ops._admission(d.ids, first, victims, cold, misses, self.freq,
+                                              self.id_of[: self.slots],
+                                              self.admission == "frequency")
+        # Evicted rows in address order (the others' keys, len(freq), sort last).
+        ev_sorted, ev_order = ops._sort_ids(keys, self.freq.numel() + 1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
                    sms=self._lane_sms)
         return Victims(victims, first, admit, evicted)

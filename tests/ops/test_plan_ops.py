@@ -1,5 +1,5 @@
 """The planning ops of the row cache (_sort_ids, _distinct, _partition, _cache_lookup,
-_coldest_slots, _cache_admit, _age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
+_coldest_slots, _admission, _cache_admit, _age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
 (on the GPU machine) on CUDA; their errors; opcheck."""
 
 import numpy as np
@@ -119,6 +119,38 @@ def test_coldest_slots(device, slots, n, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k,misses", [(0, 0, 0), (5, 5, 5), (400, 100, 37), (5000, 3000, 4000)])
+@pytest.mark.parametrize("by_frequency", [True, False])
+def test_admission(device, n, k, misses, by_frequency):
+    dev = device_of(device)
+    rows, slots = 20_000, 6000
+    g = gen(n + k + misses + by_frequency)
+    ids = torch.randperm(rows, generator=g)[:n]
+    first = torch.randperm(n, generator=g)[:k]
+    victims = torch.randperm(slots, generator=g)[:k]
+    freq = torch.randint(0, 20, (rows + 1,), generator=g).float()  # ties included
+    cold = torch.randint(-1, 20, (k,), generator=g).float()
+    cold[torch.rand(k, generator=g) < 0.2] = float("inf")  # slots this step uses
+    id_of = torch.randint(-1, rows, (slots,), generator=g)
+    admit, keys, evicted = ops._admission(
+        ids.to(dev), first.to(dev), victims.to(dev), cold.to(dev),
+        torch.tensor([misses], device=dev), freq.to(dev), id_of.to(dev), by_frequency)
+    want_admit = np.zeros(k, dtype=bool)
+    want_keys = np.full(k, rows + 1)
+    for j in range(k):
+        miss = int(ids[first[j]])
+        ok = j < misses and np.isfinite(float(cold[j]))
+        if ok and by_frequency:
+            ok = float(freq[miss]) >= float(cold[j])
+        want_admit[j] = ok
+        if ok and int(id_of[victims[j]]) >= 0:
+            want_keys[j] = int(id_of[victims[j]])
+    assert np.array_equal(admit.cpu().numpy(), want_admit)
+    assert np.array_equal(keys.cpu().numpy(), want_keys)
+    assert int(evicted) == int((want_keys < rows + 1).sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,k", [(0, 0), (5, 5), (400, 100), (5000, 5000)])
 def test_cache_admit(device, n, k):
     dev = device_of(device)
@@ -224,6 +256,10 @@ def test_bad_arguments_are_named(device):
          "first, victims and admit must have one length"),
         (lambda: ops._cache_admit(slot_of, i64, i64, i64[:2], i64[:3], i64[:3], i64[:3] == 0),
          "first must not be longer than at"),
+        (lambda: ops._admission(i64, i64, i64, freq[:4], i64, freq, i64, True),
+         "misses must be one int64"),
+        (lambda: ops._admission(i64, i64, i64[:3], freq[:4], one, freq, i64, True),
+         "first, victims and cold must have one length"),
         (lambda: ops._coldest_slots(i64, freq.cpu() if dev.type == "cuda" else freq.double(),
                                     i64, 2), "freq must be"),
         (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
@@ -256,6 +292,10 @@ def test_opcheck(device):
           3)),
         (torch.ops.speedtorch_ops._coldest_slots.default,
          (torch.tensor([3, -1, 0, 7], device=dev), freq, torch.tensor([2, 4], device=dev), 3)),
+        (torch.ops.speedtorch_ops._admission.default,
+         (torch.tensor([5, 4, 0], device=dev), torch.tensor([1, 0], device=dev),
+          torch.tensor([2, 1], device=dev), torch.tensor([0.5, float("inf")], device=dev),
+          torch.tensor([2], device=dev), freq, torch.tensor([1, 7, -1], device=dev), True)),
         (torch.ops.speedtorch_ops._cache_admit.default,
          (slot_of.clone(), torch.tensor([1, 7, 3, -1], device=dev), torch.tensor([5, 4, 0],
           device=dev), torch.tensor([3, 3, 2], device=dev), torch.tensor([1, 0], device=dev),

@@ -122,6 +122,12 @@ void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
 // contiguous on one device; 0 <= k <= id_of's length.
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
                               const at::Tensor& at, int64_t k);
+// _admission: ids, first, victims 1-D int64, cold and freq 1-D float32, misses one int64,
+// id_of 1-D int64; first, victims and cold of one length; all contiguous on one device.
+void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
+                          const at::Tensor& victims, const at::Tensor& cold,
+                          const at::Tensor& misses, const at::Tensor& freq,
+                          const at::Tensor& id_of);
 // _cache_admit: slot_of 1-D int32, id_of, ids, at, first, victims 1-D int64, admit 1-D bool;
 // first, victims and admit of one length, at most at's; all contiguous on one device.
 void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
