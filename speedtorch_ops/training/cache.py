@@ -423,7 +423,8 @@ class CachedRows(HostRows):
         victims, cold = ops._coldest_slots(self.id_of[: self.slots], self.freq, at, k)
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         # A miss takes a slot this step does not use (finite priority), with "frequency" only
-        # one used less often than itself; the rows such slots held are evicted.
+        # one whose row is used at most as often as the miss; the rows such slots held are
+        # evicted.
         admit, keys, evicted = ops._admission(d.ids, first, victims, cold, misses, self.freq,
                                               self.id_of[: self.slots],
                                               self.admission == "frequency")
