@@ -25,6 +25,26 @@ def add_seed_shape(parser):
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
 
 
+def add_skipgram_shape(parser):
+    """The main job's shape as arguments: two --vocab x --dim tables, batches of --batch centre
+    words with --negatives each, drawn from a --tokens corpus (--corpus, Zipf by default) with
+    planted clusters of --cluster-size words."""
+    from speedtorch_ops.demo.corpus import CORPORA
+    parser.add_argument("--vocab", type=int, default=4_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--negatives", type=int, default=5)
+    parser.add_argument("--cluster-size", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=4_000_000)
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+
+
+def skipgram_corpus(a):
+    """The corpus add_skipgram_shape parsed into `a`."""
+    from speedtorch_ops.demo.corpus import CORPORA
+    return CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
+
+
 def seed_workload(a):
     """(pinned table, the same on the GPU, random CPU index) of the shape add_seed_shape parsed
     into `a`, after making the output folder."""

@@ -20,8 +20,9 @@ import time
 import numpy as np
 import torch
 
-from speedtorch_ops.demo.corpus import CORPORA
 from speedtorch_ops.demo.train import ModuleTraining, train_all_on_gpu
+
+from _workloads import add_skipgram_shape, skipgram_corpus
 
 
 def memcpy_gbps(device, nbytes=256 << 20) -> float:
@@ -149,13 +150,7 @@ def profile_steps(a, run, batches, device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--vocab", type=int, default=4_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--negatives", type=int, default=5)
-    p.add_argument("--cluster-size", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=4_000_000)
-    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+    add_skipgram_shape(p)
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--unfused", action="store_true",
@@ -192,7 +187,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
+    corpus = skipgram_corpus(a)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
     a.cache_mb, a.graph, a.fused = 0, "on", not a.unfused
     run = ModuleTraining(a, device)

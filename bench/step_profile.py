@@ -21,9 +21,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from speedtorch_ops.demo.corpus import CORPORA
 from speedtorch_ops.demo.train import ModuleTraining
 from speedtorch_ops.training import cache as cache_mod
+
+from _workloads import add_skipgram_shape, skipgram_corpus
 
 PHASES = [(cache_mod.CachedRows, "stage"), (cache_mod.CachedRows, "_evict"),
           (cache_mod.CachedRows, "commit"), (cache_mod.HostRows, "stage"),
@@ -137,12 +138,7 @@ def union_us(spans) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--vocab", type=int, default=4_000_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8192)
-    p.add_argument("--negatives", type=int, default=5)
-    p.add_argument("--tokens", type=int, default=4_000_000)
-    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf")
+    add_skipgram_shape(p)
     p.add_argument("--budget", type=float, default=1200, help="cache MiB, both tables")
     p.add_argument("--prefetch", choices=["on", "off"], default="on")
     p.add_argument("--steps", type=int, default=10)
@@ -153,7 +149,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
-    corpus = CORPORA[a.corpus](a.vocab, 20, a.tokens)
+    corpus = skipgram_corpus(a)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(64)]
     args = argparse.Namespace(vocab=a.vocab, dim=a.dim, batch=a.batch, negatives=a.negatives,
                               lr=0.05, optimizer="adam", fused=not a.unfused,

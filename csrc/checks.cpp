@@ -6,6 +6,7 @@
 #include <c10/util/irange.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <utility>
@@ -226,9 +227,27 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
               like.device(), ", got ", t.device());
 }
 
-void check_one_int64(const at::Tensor& t, const char* name) {
+struct Vector {
+  const at::Tensor& tensor;
+  const char* name;
+  at::ScalarType dtype;
+};
+
+// Each of `vectors` 1-D, of its dtype, contiguous, on the first one's device.
+void check_vectors(std::initializer_list<Vector> vectors) {
+  const Vector& first = *vectors.begin();
+  for (const Vector& v : vectors) {
+    check_vector(v.tensor, v.name, v.dtype);
+    check_same_device(v.tensor, v.name, first.tensor, first.name);
+  }
+}
+
+// One int64 (shape (1,)) on `like`'s device: a count kept on the device.
+void check_one_int64(const at::Tensor& t, const char* name, const at::Tensor& like,
+                     const char* like_name) {
   TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kLong && t.is_contiguous(), name,
               " must be one int64 (shape (1,)), got ", t.scalar_type(), " of shape ", t.sizes());
+  check_same_device(t, name, like, like_name);
 }
 
 }  // namespace
@@ -250,26 +269,18 @@ void check_partition_args(const at::Tensor& flags) {
 
 void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
                              const at::Tensor& slot_of, const at::Tensor& freq, int64_t scratch) {
-  check_vector(ids, "ids", at::kLong);
-  check_one_int64(count, "count");
-  check_vector(slot_of, "slot_of", at::kInt);
-  check_vector(freq, "freq", at::kFloat);
+  check_vectors({{ids, "ids", at::kLong}, {slot_of, "slot_of", at::kInt},
+                 {freq, "freq", at::kFloat}});
+  check_one_int64(count, "count", ids, "ids");
   TORCH_CHECK(freq.numel() == slot_of.numel(), "freq must have slot_of's length ",
               slot_of.numel(), " (one entry per table row), got ", freq.numel());
-  check_same_device(count, "count", ids, "ids");
-  check_same_device(slot_of, "slot_of", ids, "ids");
-  check_same_device(freq, "freq", ids, "ids");
   TORCH_CHECK(scratch >= 0, "scratch must be a slot number (>= 0), got ", scratch);
 }
 
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
                               const at::Tensor& at, int64_t k) {
-  check_vector(id_of, "id_of", at::kLong);
+  check_vectors({{id_of, "id_of", at::kLong}, {freq, "freq", at::kFloat}, {at, "at", at::kLong}});
   check_items(id_of, "id_of");
-  check_vector(freq, "freq", at::kFloat);
-  check_vector(at, "at", at::kLong);
-  check_same_device(freq, "freq", id_of, "id_of");
-  check_same_device(at, "at", id_of, "id_of");
   TORCH_CHECK(k >= 0 && k <= id_of.numel(), "k must be in [0, ", id_of.numel(),
               "] (the number of slots), got ", k);
 }
@@ -278,17 +289,10 @@ void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
                           const at::Tensor& victims, const at::Tensor& cold,
                           const at::Tensor& misses, const at::Tensor& freq,
                           const at::Tensor& id_of) {
-  check_vector(ids, "ids", at::kLong);
-  check_vector(first, "first", at::kLong);
-  check_vector(victims, "victims", at::kLong);
-  check_vector(cold, "cold", at::kFloat);
-  check_one_int64(misses, "misses");
-  check_vector(freq, "freq", at::kFloat);
-  check_vector(id_of, "id_of", at::kLong);
-  const std::pair<const at::Tensor*, const char*> others[] = {
-      {&first, "first"}, {&victims, "victims"}, {&cold, "cold"},
-      {&misses, "misses"}, {&freq, "freq"},     {&id_of, "id_of"}};
-  for (const auto& [t, name] : others) check_same_device(*t, name, ids, "ids");
+  check_vectors({{ids, "ids", at::kLong}, {first, "first", at::kLong},
+                 {victims, "victims", at::kLong}, {cold, "cold", at::kFloat},
+                 {freq, "freq", at::kFloat}, {id_of, "id_of", at::kLong}});
+  check_one_int64(misses, "misses", ids, "ids");
   TORCH_CHECK(victims.numel() == first.numel() && cold.numel() == first.numel(),
               "first, victims and cold must have one length, got ", first.numel(), ", ",
               victims.numel(), " and ", cold.numel());
@@ -297,17 +301,9 @@ void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
 void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
                             const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
                             const at::Tensor& victims, const at::Tensor& admit) {
-  check_vector(slot_of, "slot_of", at::kInt);
-  check_vector(id_of, "id_of", at::kLong);
-  check_vector(ids, "ids", at::kLong);
-  check_vector(at, "at", at::kLong);
-  check_vector(first, "first", at::kLong);
-  check_vector(victims, "victims", at::kLong);
-  check_vector(admit, "admit", at::kBool);
-  const std::pair<const at::Tensor*, const char*> others[] = {
-      {&id_of, "id_of"}, {&ids, "ids"},         {&at, "at"},
-      {&first, "first"}, {&victims, "victims"}, {&admit, "admit"}};
-  for (const auto& [t, name] : others) check_same_device(*t, name, slot_of, "slot_of");
+  check_vectors({{slot_of, "slot_of", at::kInt}, {id_of, "id_of", at::kLong},
+                 {ids, "ids", at::kLong}, {at, "at", at::kLong}, {first, "first", at::kLong},
+                 {victims, "victims", at::kLong}, {admit, "admit", at::kBool}});
   TORCH_CHECK(victims.numel() == first.numel() && admit.numel() == first.numel(),
               "first, victims and admit must have one length, got ", first.numel(), ", ",
               victims.numel(), " and ", admit.numel());
@@ -317,8 +313,7 @@ void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
 
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period) {
   check_vector(freq, "freq", at::kFloat);
-  check_one_int64(age, "age");
-  check_same_device(age, "age", freq, "freq");
+  check_one_int64(age, "age", freq, "freq");
   TORCH_CHECK(period >= 1, "period must be at least 1 (steps between halvings), got ", period);
 }
 

@@ -2,6 +2,8 @@
 // same kernel reads and writes host rows over PCIe or device rows in HBM.
 #include "kernels.h"
 
+#include "elementwise.cuh"
+
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -10,8 +12,6 @@
 
 namespace speedtorch_ops::cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 // A team of `team` threads (a power of two, at most a warp) per row, sized to the row's vectors,
 // so narrow rows do not leave most of a warp idle.
@@ -266,10 +266,6 @@ __global__ void __launch_bounds__(kCappedThreads)
       to[c] = acc;
     }
   });
-}
-
-int blocks_for_elements(int64_t n) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 4096)));
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 // Kernels that plan a row cache's step on the device (plan_kernels.h). Free of torch headers.
 #include "plan_kernels.h"
 
+#include "elementwise.cuh"
+
 #include <cub/cub.cuh>
 #include <math_constants.h>
 #include <thrust/iterator/counting_iterator.h>
@@ -11,37 +13,22 @@
 namespace speedtorch_ops::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-int blocks_for(int64_t n) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
-}
-
-__global__ void iota_kernel(int64_t* out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[i] = i;
-  }
-}
-
 __global__ void heads_kernel(const int64_t* sorted, int64_t n, int64_t* head) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(n, [&](int64_t i) {
     head[i] = (i == 0 || sorted[i] != sorted[i - 1]) ? 1 : 0;
-  }
+  });
 }
 
 // rank: the inclusive scan of the heads (the position in ids, plus one).
 __global__ void scatter_unique_kernel(const int64_t* sorted, const int64_t* perm,
                                       const int64_t* rank, int64_t n, int64_t* ids,
                                       int64_t* inverse, int64_t* count) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(n, [&](int64_t i) {
     const int64_t r = rank[i] - 1;
     if (i == 0 || sorted[i] != sorted[i - 1]) ids[r] = sorted[i];
     inverse[perm[i]] = r;
     if (i == n - 1) *count = r + 1;
-  }
+  });
 }
 
 __global__ void zero_kernel(int64_t* x) { *x = 0; }
@@ -50,8 +37,7 @@ __global__ void cache_lookup_kernel(const int64_t* ids, const int64_t* count, in
                                     const int32_t* slot_of, int64_t rows, float* freq,
                                     int64_t scratch, int64_t* at, bool* miss) {
   const int64_t valid = min(n, *count);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(n, [&](int64_t i) {
     const int64_t id = i < valid ? ids[i] : -1;
     if (id >= 0 && id < rows) {  // an id out of range (trusted, never expected) touches nothing
       const int32_t s = slot_of[id];
@@ -62,15 +48,14 @@ __global__ void cache_lookup_kernel(const int64_t* ids, const int64_t* count, in
       at[i] = scratch;
       miss[i] = false;
     }
-  }
+  });
 }
 
 __global__ void halve_if_due_kernel(float* freq, int64_t n, const int64_t* age, int64_t period) {
   if ((*age + 1) % period != 0) return;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(n, [&](int64_t i) {
     freq[i] *= 0.5f;
-  }
+  });
 }
 
 __global__ void count_step_kernel(int64_t* age) { *age += 1; }
@@ -83,36 +68,33 @@ __device__ uint32_t order_key(float f) {
 
 __global__ void slot_priority_kernel(const int64_t* id_of, int64_t slots, const float* freq,
                                      int64_t rows, float* prio, uint32_t* keys, int64_t* slot) {
-  for (int64_t s = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; s < slots;
-       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(slots, [&](int64_t s) {
     const int64_t id = id_of[s];
     const float p = id >= 0 && id < rows ? freq[id] : -1.0f;
     prio[s] = p;
     keys[s] = order_key(p);
     slot[s] = s;
-  }
+  });
 }
 
 __global__ void exclude_used_kernel(const int64_t* at, int64_t n, int64_t slots, float* prio,
                                     uint32_t* keys) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(n, [&](int64_t i) {
     const int64_t s = at[i];
     if (s >= 0 && s < slots) {
       prio[s] = CUDART_INF_F;
       keys[s] = order_key(CUDART_INF_F);
     }
-  }
+  });
 }
 
 __global__ void take_coldest_kernel(const int64_t* slot_out, int64_t k, const float* prio,
                                     int64_t* victims, float* cold) {
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(k, [&](int64_t j) {
     const int64_t s = slot_out[j];
     victims[j] = s;
     cold[j] = prio[s];
-  }
+  });
 }
 
 __global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* first,
@@ -121,8 +103,7 @@ __global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* f
                                  int64_t slots, int64_t rows, bool by_frequency, bool* admit,
                                  int64_t* keys, unsigned long long* evicted) {
   const int64_t m = *misses;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for_each_element(k, [&](int64_t j) {
     const int64_t at = first[j], v = victims[j];
     const int64_t row = at >= 0 && at < n ? ids[at] : -1;
     bool yes = j < m && isfinite(cold[j]) && row >= 0 && row < rows && v >= 0 && v < slots;
@@ -132,36 +113,29 @@ __global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* f
     admit[j] = yes;
     keys[j] = evict ? old : rows;
     if (evict) atomicAdd(evicted, 1ull);
-  }
+  });
 }
 
 __global__ void cache_admit_kernel(int32_t* slot_of, int64_t rows, int64_t* id_of, int64_t slots,
                                    const int64_t* ids, int64_t n, const int64_t* first,
                                    const int64_t* victims, const bool* admit, int64_t k,
                                    int64_t* dest) {
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < k;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (!admit[j]) continue;
+  for_each_element(k, [&](int64_t j) {
+    if (!admit[j]) return;
     // Out-of-range entries (trusted, never expected) are skipped: nothing outside the tensors.
     const int64_t v = victims[j], at = first[j];
-    if (v < 0 || v >= slots || at < 0 || at >= n) continue;
+    if (v < 0 || v >= slots || at < 0 || at >= n) return;
     const int64_t row = ids[at];
-    if (row < 0 || row >= rows) continue;
+    if (row < 0 || row >= rows) return;
     const int64_t old = id_of[v];
     if (old >= 0 && old < rows) slot_of[old] = -1;
     slot_of[row] = static_cast<int32_t>(v);
     id_of[v] = row;
     dest[at] = v;
-  }
+  });
 }
 
 }  // namespace
-
-cudaError_t launch_iota(int64_t* out, int64_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  iota_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, n);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
                                  const int64_t* perm, int64_t* rank, int64_t n, int64_t* ids,
@@ -175,12 +149,12 @@ cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* 
     zero_kernel<<<1, 1, 0, stream>>>(count);
     return cudaGetLastError();
   }
-  heads_kernel<<<blocks_for(n), kThreads, 0, stream>>>(sorted, n, rank);
+  heads_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(sorted, n, rank);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   err = cub::DeviceScan::InclusiveSum(temp, *temp_bytes, rank, rank, static_cast<int>(n), stream);
   if (err != cudaSuccess) return err;
-  scatter_unique_kernel<<<blocks_for(n), kThreads, 0, stream>>>(sorted, perm, rank, n, ids,
+  scatter_unique_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(sorted, perm, rank, n, ids,
                                                                 inverse, count);
   return cudaGetLastError();
 }
@@ -202,7 +176,7 @@ cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_
                                 const int32_t* slot_of, int64_t rows, float* freq,
                                 int64_t scratch, int64_t* at, bool* miss, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  cache_lookup_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids, count, n, slot_of, rows, freq,
+  cache_lookup_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(ids, count, n, slot_of, rows, freq,
                                                               scratch, at, miss);
   return cudaGetLastError();
 }
@@ -219,19 +193,19 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
                                            slot_out, static_cast<int>(slots), 0, 32, stream);
   }
   if (slots == 0 || k == 0) return cudaSuccess;
-  slot_priority_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(id_of, slots, freq, rows,
+  slot_priority_kernel<<<blocks_for_elements(slots), kThreads, 0, stream>>>(id_of, slots, freq, rows,
                                                                    prio, keys_in, slot_in);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (n > 0) {
-    exclude_used_kernel<<<blocks_for(n), kThreads, 0, stream>>>(at, n, slots, prio, keys_in);
+    exclude_used_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(at, n, slots, prio, keys_in);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   err = cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, slot_in, slot_out,
                                         static_cast<int>(slots), 0, 32, stream);
   if (err != cudaSuccess) return err;
-  take_coldest_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
+  take_coldest_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
   return cudaGetLastError();
 }
 
@@ -241,7 +215,7 @@ cudaError_t launch_admission(const int64_t* ids, int64_t n, const int64_t* first
                              int64_t slots, int64_t rows, bool by_frequency, bool* admit,
                              int64_t* keys, int64_t* evicted, cudaStream_t stream) {
   if (k == 0) return cudaSuccess;
-  admission_kernel<<<blocks_for(k), kThreads, 0, stream>>>(
+  admission_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(
       ids, n, first, victims, cold, k, misses, freq, id_of, slots, rows, by_frequency, admit,
       keys, reinterpret_cast<unsigned long long*>(evicted));
   return cudaGetLastError();
@@ -252,7 +226,7 @@ cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, i
                                const int64_t* victims, const bool* admit, int64_t k,
                                int64_t* dest, cudaStream_t stream) {
   if (k == 0) return cudaSuccess;
-  cache_admit_kernel<<<blocks_for(k), kThreads, 0, stream>>>(slot_of, rows, id_of, slots, ids, n,
+  cache_admit_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(slot_of, rows, id_of, slots, ids, n,
                                                              first, victims, admit, k, dest);
   return cudaGetLastError();
 }
@@ -260,7 +234,7 @@ cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, i
 cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream) {
   // Few blocks: on the steps that do not age, each block only reads *age and returns.
   if (n > 0) {
-    halve_if_due_kernel<<<std::min(blocks_for(n), 1024), kThreads, 0, stream>>>(freq, n, age,
+    halve_if_due_kernel<<<std::min(blocks_for_elements(n), 1024), kThreads, 0, stream>>>(freq, n, age,
                                                                                  period);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;

@@ -9,9 +9,6 @@
 
 namespace speedtorch_ops::cuda {
 
-// out[i] = i for i < n.
-cudaError_t launch_iota(int64_t* out, int64_t n, cudaStream_t stream);
-
 // Given sorted keys (n, ascending) and the permutation that sorted them: ids[0:count] the
 // distinct keys ascending (ids must be zeroed by the caller), inverse[perm[i]] the position in
 // ids of sorted[i], *count the number of distinct keys. rank: n int64 of scratch. n < 2^31.

@@ -29,7 +29,6 @@ at::Tensor scratch(size_t bytes, const at::Tensor& like) {
 std::tuple<at::Tensor, at::Tensor> sort_ids_cuda(const at::Tensor& keys, int64_t bound) {
   check_sort_ids_args(keys, "keys", bound);
   const c10::cuda::CUDAGuard guard(keys.device());
-  if (keys.numel() == 0) return {at::empty_like(keys), at::empty_like(keys)};
   return cuda_impl::sort_rows(keys, std::nullopt, bound);
 }
 
@@ -42,8 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cuda(const at::Tensor& i
   auto ids = at::zeros({n}, index.options());
   auto inverse = at::empty({n}, index.options());
   auto count = at::empty({1}, index.options());
-  auto [sorted, perm] = n ? cuda_impl::sort_rows(index, std::nullopt, bound)
-                          : std::pair<at::Tensor, at::Tensor>{index, index};
+  auto [sorted, perm] = cuda_impl::sort_rows(index, std::nullopt, bound);
   auto rank = at::empty({n}, index.options());
   size_t bytes = 0;
   C10_CUDA_CHECK(cuda::launch_unique_sorted(nullptr, &bytes, nullptr, nullptr, nullptr, n,
