@@ -55,19 +55,20 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
     return hits / total
 
 
-def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=16,
-               admission="frequency"):
+def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=8,
+               admission="frequency", write_sms=6):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
     each step prefetching the next batch's rows (HostEmbedding.prefetch), "graph-prefetch": both
     (the captured step takes the next batch's ids as inputs); overlap: the caches'
     misses load and their evicted rows go back on a side stream beside the training kernels
-    (else all in order on one stream), their transfer kernels on at most lane_sms SMs (without
-    a cache: the prefetch's, HostRows.ahead_sms)."""
+    (else all in order on one stream), their loads on at most lane_sms SMs, their write-backs
+    on at most write_sms (without a cache: lane_sms is the prefetch's cap, HostRows.ahead_sms)."""
     run.set_cache_mb(budget_mb)
     for emb in (run.u, run.v):
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
+            emb.store.write_sms = write_sms
             emb.store.admission = admission
         else:  # no cache: the SM cap of the prefetch's transfers
             emb.store.ahead_sms = lane_sms
@@ -105,6 +106,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
             "admission": admission if budget_mb > 0 else None,
             "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
+            "write_sms": write_sms if overlap and budget_mb > 0 else None,
             "ahead_sms": lane_sms if budget_mb == 0 and run.prefetching else None,
             "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
@@ -114,18 +116,27 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
+def sms_label(r) -> str:
+    """The SM caps of a run: loads/write-backs with a cache, the prefetch's without."""
+    if r["lane_sms"] is not None:
+        return f"{r['lane_sms']}/{r['write_sms']}"
+    return str(r["ahead_sms"] or "-")
+
+
 def settings(a, budget_mb):
-    """(mode, overlap, SM cap, admission) of each run at this budget: without a cache the
-    overlap and admission have nothing to act on, and the SM cap is the prefetch's."""
+    """(mode, overlap, SM cap, admission, write-back SM cap) of each run at this budget:
+    without a cache the overlap and admission have nothing to act on, and the SM cap is the
+    prefetch's."""
     for mode in a.modes:
         if budget_mb == 0:
             for sms in (a.ahead_sms if "prefetch" in mode else [0]):
-                yield mode, True, sms, a.admission[0]
+                yield mode, True, sms, a.admission[0], 0
             continue
         for overlap in a.overlap:
             for sms in (a.lane_sms if overlap == "on" else [0]):
-                for admission in a.admission:
-                    yield mode, overlap == "on", sms, admission
+                for write_sms in (a.write_sms if overlap == "on" else [0]):
+                    for admission in a.admission:
+                        yield mode, overlap == "on", sms, admission, write_sms
 
 
 def profile_steps(a, run, batches, device) -> None:
@@ -134,7 +145,8 @@ def profile_steps(a, run, batches, device) -> None:
     appear one by one, on their streams)."""
     from torch.profiler import ProfilerActivity, profile
     run_budget(argparse.Namespace(**{**vars(a), "warmup": 0, "steps": 1}), run, batches, device,
-               a.profile, a.modes[0], a.overlap[0] == "on", a.lane_sms[0], a.admission[0])
+               a.profile, a.modes[0], a.overlap[0] == "on", a.lane_sms[0], a.admission[0],
+               a.write_sms[0])
     for i in range(30):
         run.step(batches[i % len(batches)], batches[(i + 1) % len(batches)])
     torch.cuda.synchronize()
@@ -166,9 +178,12 @@ def main() -> None:
     p.add_argument("--overlap", nargs="+", choices=["on", "off"], default=["on"],
                    help="with a cache: transfers on a side stream beside the training kernels "
                         "(on), or all in order on one stream (off); both: one run each")
-    p.add_argument("--lane-sms", type=int, nargs="+", default=[16],
-                   help="with overlap: the most SMs of the side stream's transfer kernels (0: "
-                        "all); several: one run each")
+    p.add_argument("--lane-sms", type=int, nargs="+", default=[8],
+                   help="with overlap: the most SMs of the side stream's loads (0: all; "
+                        "CachedRows.lane_sms, default 8); several: one run each")
+    p.add_argument("--write-sms", type=int, nargs="+", default=[6],
+                   help="with overlap: the most SMs of the side stream's write-backs (0: all; "
+                        "CachedRows.write_sms, default 6); several: one run each")
     p.add_argument("--ahead-sms", type=int, nargs="+", default=[32],
                    help="without a cache, with prefetch: the most SMs of the prefetch's transfer "
                         "kernels (HostRows.ahead_sms, default 32; 0: no cap); several: one run "
@@ -193,8 +208,9 @@ def main() -> None:
     run = ModuleTraining(a, device)
     rows = []
     for b in a.budgets:
-        for mode, overlap, sms, admission in settings(a, b):
-            rows.append(run_budget(a, run, batches, device, b, mode, overlap, sms, admission))
+        for mode, overlap, sms, admission, write_sms in settings(a, b):
+            rows.append(run_budget(a, run, batches, device, b, mode, overlap, sms, admission,
+                                   write_sms))
             print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
@@ -215,10 +231,10 @@ def main() -> None:
     print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
           f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
           f"{base:.1f} steps/s")
-    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>4} {'admit':>9} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {str(r['lane_sms'] or r['ahead_sms'] or '-'):>4} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "

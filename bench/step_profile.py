@@ -15,6 +15,7 @@ import collections
 import functools
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -81,21 +82,54 @@ def busy_us(prof) -> float:
                     if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def streams_table(prof, steps: int) -> list:
-    """Per CUDA stream: kernels (and copies, memsets) per step and the time they cover per
-    step. The step's own stream carries the critical path; the others (the lanes and the
-    prefetch) run beside it."""
+def gpu_work(prof) -> list:
+    """The profile's kernels, copies and memsets (chrome trace events, with stream and dur)."""
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
+    return [e for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def timeline(prof) -> list:
+    """One step's GPU work in start order: (µs from the step's first kernel, µs, stream,
+    name), runs of one kernel name on one stream merged: shows which stream ends the step and
+    what each waits behind."""
+    work = sorted(gpu_work(prof), key=lambda e: e["ts"])
+    t0 = work[0]["ts"] if work else 0.0
+    rows: list = []
+    last_on: dict = {}
+    for e in work:
+        stream = e.get("args", {}).get("stream", -1)
+        name = short_name(e["name"])
+        run = last_on.get(stream)
+        if run is not None and run[3] == name and e["ts"] - (run[0] + run[1] + t0) < 5:
+            run[1] = e["ts"] + e["dur"] - t0 - run[0]
+            run[4] += 1
+            continue
+        run = [e["ts"] - t0, e["dur"], stream, name, 1]
+        rows.append(run)
+        last_on[stream] = run
+    return [{"at_us": round(r[0], 1), "us": round(r[1], 1), "stream": r[2], "kernel": r[3],
+             "count": r[4]} for r in rows]
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments and namespaces."""
+    base = re.sub(r"<.*", "", name.split("(")[0])
+    return base.split("::")[-1][:48] or name[:48]
+
+
+def streams_table(prof, steps: int) -> list:
+    """Per CUDA stream: kernels (and copies, memsets) per step and the time they cover per
+    step. The step's own stream carries the critical path; the others (the lanes and the
+    prefetch) run beside it."""
     by = collections.defaultdict(list)
     work = []
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            by[e.get("args", {}).get("stream", -1)].append((e["ts"], e["ts"] + e["dur"]))
-            work.append((e["ts"], e["ts"] + e["dur"], any(t in e.get("name", "")
-                                                           for t in TRANSFERS)))
+    for e in gpu_work(prof):
+        by[e.get("args", {}).get("stream", -1)].append((e["ts"], e["ts"] + e["dur"]))
+        work.append((e["ts"], e["ts"] + e["dur"], any(t in e.get("name", "") for t in TRANSFERS)))
     rows = [{"stream": s, "per_step": len(v) / steps, "busy_us_per_step": union_us(v) / steps}
             for s, v in by.items()]
     return sorted(rows, key=lambda r: -r["busy_us_per_step"]), overlap_table(work, steps)
@@ -146,6 +180,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--unfused", action="store_true",
                    help="Adam without fused=True (the demo fuses it on a GPU)")
+    p.add_argument("--lane-sms", type=int, default=None,
+                   help="the caches' lane_sms (their loads' SM cap; default the stores')")
+    p.add_argument("--write-sms", type=int, default=None,
+                   help="the caches' write_sms (their write-backs' SM cap; default the stores')")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -161,8 +199,17 @@ def main() -> None:
         for i in range(first, first + n):
             run.step(batches[i % 64], batches[(i + 1) % 64])
 
+    def make():
+        run = ModuleTraining(args, device)
+        for emb in (run.u, run.v):
+            if a.lane_sms is not None:
+                emb.store.lane_sms = a.lane_sms
+            if a.write_sms is not None:
+                emb.store.write_sms = a.write_sms
+        return run
+
     # Captured: the step as the demo runs it.
-    run = ModuleTraining(args, device)
+    run = make()
     steps(run, 0, a.warmup)
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -177,6 +224,13 @@ def main() -> None:
     result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
     result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
     result["graph_streams"], result["graph_overlap"] = streams_table(prof, a.steps)
+    # One replay alone (the GPU idle before and after it), kernel by kernel.
+    steps(run, a.warmup + 50 + a.steps, 2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(run, a.warmup + 52 + a.steps, 1)
+        torch.cuda.synchronize()
+    result["graph_timeline"] = timeline(prof)
     del run
 
     # Eager, phases labelled.
@@ -185,7 +239,7 @@ def main() -> None:
     import torch.optim.adam as adam_mod
     label(adam_mod.Adam, "step")
     args.graph = "off"
-    run = ModuleTraining(args, device)
+    run = make()
     steps(run, 0, a.warmup)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],

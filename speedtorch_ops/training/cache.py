@@ -25,9 +25,10 @@ it and the current stream waits only for them; the victims are then chosen and t
 written back on it while the step trains (another table stages, the forward, the backward and
 the update run); at commit the misses not admitted go back on it while the cache and its map
 take the step's rows, and the current stream joins it before commit returns, so a captured step
-(CUDA graph) holds the fork and the join. Its transfer kernels use at most ``lane_sms`` SMs, so
-the training kernels keep the rest. Captured on the H100, this took a cached step from 241 to
-290 steps/s (``bench/cache_budget.py --overlap on off``).
+(CUDA graph) holds the fork and the join. Its transfer kernels use at most ``lane_sms`` SMs
+(loads) and ``write_sms`` (write-backs), so the training kernels keep the rest. Captured on
+the H100, this took a cached step from 241 to 290 steps/s (``bench/cache_budget.py --overlap on
+off``).
 
 Prefetch (both stores): ``prefetch(plan)``, called while a step is staged (between its forward
 and its commit) or between steps, loads the coming step's rows that the host table will still
@@ -316,7 +317,8 @@ class CachedRows(HostRows):
     """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
 
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
-                 overlap: bool = True, lane_sms: int = 16, admission: str = "frequency"):
+                 overlap: bool = True, lane_sms: int = 8, write_sms: int = 6,
+                 admission: str = "frequency"):
         super().__init__(host, device)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
@@ -325,15 +327,23 @@ class CachedRows(HostRows):
         # when the step's misses fit in the slots it does not use); on the Zipf skip-gram's v
         # table it held the same hit rate (bench/cache_policy.py --admission).
         self.admission = admission
-        if not isinstance(lane_sms, int) or isinstance(lane_sms, bool) or lane_sms < 0:
-            raise ValueError(f"CachedRows: lane_sms must be an int >= 0, got {lane_sms!r}")
+        for name, sms in (("lane_sms", lane_sms), ("write_sms", write_sms)):
+            if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+                raise ValueError(f"CachedRows: {name} must be an int >= 0, got {sms!r}")
         # The lane (on a GPU, with ``overlap``, which may change between steps): a side stream
         # that loads a step's misses while the victims are chosen and writes the evicted rows
-        # back while the step trains, its transfer kernels on at most ``lane_sms`` SMs (0: no
-        # cap of its own) so the training kernels keep the rest. Without it everything runs in
-        # order on the current stream.
+        # back while the step trains. Its loads (and the prefetch's) use at most ``lane_sms``
+        # SMs, its write-backs at most ``write_sms`` (0: no cap of their own), so the training
+        # kernels keep the rest. Without it everything runs in order on the current stream.
+        # The caps are low because a transfer that keeps more requests in flight than the link
+        # takes slows every kernel beside it, not only itself: on the H100 a burst of small
+        # kernels ran 3.4-3.8x slower beside a write-back on 8 or more SMs, 1.8x beside one on
+        # 6 at the same 47 GB/s, and 1.5x beside a load on 8 SMs at 42 GB/s
+        # (bench/contention.py); the cached, captured, prefetching step went from 395 to 444-449
+        # steps/s with the loads' cap at 8 instead of 16 (bench/cache_budget.py --lane-sms).
         self.overlap = overlap
         self.lane_sms = lane_sms
+        self.write_sms = write_sms
         # Not the prefetch's stream (torch hands streams out of a pool of 32, so many stores may
         # share one; that costs speed, never order): a prefetch queued behind the step's
         # evictions would delay the commit's join. The two never touch the same host rows (a
@@ -431,7 +441,7 @@ class CachedRows(HostRows):
         # Evicted rows in address order (the others' keys, len(freq), sort last).
         ev_sorted, ev_order = ops._sort_ids(keys, self.freq.numel() + 1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
-                   sms=self._lane_sms)
+                   sms=self._write_sms)
         return Victims(victims, first, admit, evicted)
 
     def commit(self) -> None:
@@ -448,7 +458,7 @@ class CachedRows(HostRows):
         rest_rows = d.ids[back]
         with self._on_lane():
             self._move(buf.unbind(0), rest_rows, back, rest_count, load=False,
-                       sms=self._lane_sms)
+                       sms=self._write_sms)
             self._lane_done = self._lane_event()
         self._lane_uses = [buf, rest_rows, back, rest_count]
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
@@ -471,6 +481,10 @@ class CachedRows(HostRows):
     @property
     def _lane_sms(self) -> int:
         return self.lane_sms if self._lane is not None else 0
+
+    @property
+    def _write_sms(self) -> int:
+        return self.write_sms if self._lane is not None else 0
 
     @property
     def _ahead_sms(self) -> int:  # a prefetch runs beside the training kernels like the lane

@@ -123,3 +123,11 @@ def test_admission_rules(device, admission):
     assert (stats["direct_writebacks"], stats["evictions"]) == ((1, 0) if kept else (0, 1))
     with pytest.raises(ValueError, match="admission"):
         emb.store.admission = "lru"
+
+
+@pytest.mark.parametrize("name", ["lane_sms", "write_sms"])
+@pytest.mark.parametrize("bad", [-1, 2.0, True])
+def test_sm_caps_are_checked(name, bad):
+    host = torch.zeros(10, 1, 4)
+    with pytest.raises(ValueError, match=name):
+        CachedRows(host, torch.device("cpu"), 2, **{name: bad})
