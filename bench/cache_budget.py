@@ -56,22 +56,24 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
 
 
 def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=8,
-               admission="frequency", write_sms=6):
+               admission="frequency", write_sms=None):
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
     each step prefetching the next batch's rows (HostEmbedding.prefetch), "graph-prefetch": both
     (the captured step takes the next batch's ids as inputs); overlap: the caches'
     misses load and their evicted rows go back on a side stream beside the training kernels
     (else all in order on one stream), their loads on at most lane_sms SMs, their write-backs
-    on at most write_sms (without a cache: lane_sms is the prefetch's cap, HostRows.ahead_sms)."""
+    on at most write_sms (None: the store's default); without a cache lane_sms is the
+    prefetch's cap (HostRows.ahead_sms) and write_sms the commit's."""
     run.set_cache_mb(budget_mb)
     for emb in (run.u, run.v):
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
-            emb.store.write_sms = write_sms
             emb.store.admission = admission
         else:  # no cache: the SM cap of the prefetch's transfers
             emb.store.ahead_sms = lane_sms
+        if write_sms is not None:
+            emb.store.write_sms = write_sms
     run.graphed = mode in ("graph", "graph-prefetch")
     run.prefetching = mode in ("prefetch", "graph-prefetch")
 
@@ -106,7 +108,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
             "admission": admission if budget_mb > 0 else None,
             "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
-            "write_sms": write_sms if overlap and budget_mb > 0 else None,
+            "write_sms": run.v.store.write_sms if overlap or budget_mb == 0 else None,
             "ahead_sms": lane_sms if budget_mb == 0 and run.prefetching else None,
             "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
@@ -120,7 +122,7 @@ def sms_label(r) -> str:
     """The SM caps of a run: loads/write-backs with a cache, the prefetch's without."""
     if r["lane_sms"] is not None:
         return f"{r['lane_sms']}/{r['write_sms']}"
-    return str(r["ahead_sms"] or "-")
+    return f"{r['ahead_sms'] or '-'}/{r['write_sms']}"
 
 
 def settings(a, budget_mb):
@@ -130,11 +132,12 @@ def settings(a, budget_mb):
     for mode in a.modes:
         if budget_mb == 0:
             for sms in (a.ahead_sms if "prefetch" in mode else [0]):
-                yield mode, True, sms, a.admission[0], 0
+                for write_sms in a.write_sms:
+                    yield mode, True, sms, a.admission[0], write_sms
             continue
         for overlap in a.overlap:
             for sms in (a.lane_sms if overlap == "on" else [0]):
-                for write_sms in (a.write_sms if overlap == "on" else [0]):
+                for write_sms in (a.write_sms if overlap == "on" else [None]):
                     for admission in a.admission:
                         yield mode, overlap == "on", sms, admission, write_sms
 
@@ -181,9 +184,10 @@ def main() -> None:
     p.add_argument("--lane-sms", type=int, nargs="+", default=[8],
                    help="with overlap: the most SMs of the side stream's loads (0: all; "
                         "CachedRows.lane_sms, default 8); several: one run each")
-    p.add_argument("--write-sms", type=int, nargs="+", default=[6],
-                   help="with overlap: the most SMs of the side stream's write-backs (0: all; "
-                        "CachedRows.write_sms, default 6); several: one run each")
+    p.add_argument("--write-sms", type=int, nargs="+", default=[None],
+                   help="the most SMs of the write-backs (0: all; default the store's: "
+                        "CachedRows.write_sms 6 on the cache's side stream, HostRows.write_sms 0 "
+                        "without a cache); several: one run each")
     p.add_argument("--ahead-sms", type=int, nargs="+", default=[32],
                    help="without a cache, with prefetch: the most SMs of the prefetch's transfer "
                         "kernels (HostRows.ahead_sms, default 32; 0: no cap); several: one run "

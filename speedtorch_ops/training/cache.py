@@ -20,15 +20,16 @@ The cache (``CachedRows``):
   not admitted is written back at commit.
 The map and the frequencies cost 8 bytes per table row (counted in the budget).
 
-The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage the misses load on
-it and the current stream waits only for them; the victims are then chosen and their rows
-written back on it while the step trains (another table stages, the forward, the backward and
-the update run); at commit the misses not admitted go back on it while the cache and its map
-take the step's rows, and the current stream joins it before commit returns, so a captured step
-(CUDA graph) holds the fork and the join. Its transfer kernels use at most ``lane_sms`` SMs
-(loads) and ``write_sms`` (write-backs), so the training kernels keep the rest. Captured on
-the H100, this took a cached step from 241 to 290 steps/s (``bench/cache_budget.py --overlap on
-off``).
+The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage, once the lookup is
+done, the victims are chosen and their rows written back on it while the stage copies the hits
+and loads the misses (on the current stream, which needs them next) and the step trains
+(another table stages, the forward, the backward and the update run); at commit the misses not
+admitted go back on it while the cache and its map take the step's rows, and the current stream
+joins it before commit returns, so a captured step (CUDA graph) holds the fork and the join.
+Its transfer kernels, and a stage's miss loads and the prefetch's, use at most ``lane_sms``
+SMs (loads) and ``write_sms`` (write-backs), so the training kernels keep the rest. Captured
+on the H100, the lane took a cached step from 241 to 290 steps/s (``bench/cache_budget.py
+--overlap on off``).
 
 Prefetch (both stores): ``prefetch(plan)``, called while a step is staged (between its forward
 and its commit) or between steps, loads the coming step's rows that the host table will still
@@ -251,10 +252,19 @@ class HostRows:
     # H100); capped at 8 / 16 / 32 SMs it won (252.7 / 266.4 / 276.3): bench/cache_budget.py
     # --ahead-sms. The cache's lane has its own cap (lane_sms).
     ahead_sms = 32
+    # The most SMs of a commit's write-back (0: no cap of its own). It runs on the current
+    # stream while the prefetch may still be loading: capped, the two directions of the link
+    # can add up (bench/contention.py: a load and a write-back together at 62-66 GB/s with
+    # each capped at 6-32 SMs, 48 GB/s uncapped).
+    write_sms = 0
 
     @property
     def _ahead_sms(self) -> int:
         return self.ahead_sms
+
+    @property
+    def _write_sms(self) -> int:
+        return self.write_sms
 
     def _join_ahead(self) -> None:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
@@ -280,7 +290,7 @@ class HostRows:
     def commit(self) -> None:
         """Write the staged rows (updated in place) back."""
         d, buf = self._take()
-        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False)
+        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False, sms=self._write_sms)
         self.stats[4] += d.count[0]  # every staged row goes straight back
         self._join_ahead()
 
@@ -331,16 +341,18 @@ class CachedRows(HostRows):
             if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
                 raise ValueError(f"CachedRows: {name} must be an int >= 0, got {sms!r}")
         # The lane (on a GPU, with ``overlap``, which may change between steps): a side stream
-        # that loads a step's misses while the victims are chosen and writes the evicted rows
-        # back while the step trains. Its loads (and the prefetch's) use at most ``lane_sms``
-        # SMs, its write-backs at most ``write_sms`` (0: no cap of their own), so the training
-        # kernels keep the rest. Without it everything runs in order on the current stream.
+        # on which the victims are chosen and the evicted rows written back while the step
+        # stages and trains. With it, the store's loads (a stage's misses, the prefetch) use at
+        # most ``lane_sms`` SMs and its write-backs at most ``write_sms`` (0: no cap of their
+        # own), so the training kernels keep the rest. Without it everything runs in order on
+        # the current stream.
         # The caps are low because a transfer that keeps more requests in flight than the link
         # takes slows every kernel beside it, not only itself: on the H100 a burst of small
         # kernels ran 3.4-3.8x slower beside a write-back on 8 or more SMs, 1.8x beside one on
         # 6 at the same 47 GB/s, and 1.5x beside a load on 8 SMs at 42 GB/s
-        # (bench/contention.py); the cached, captured, prefetching step went from 395 to 444-449
-        # steps/s with the loads' cap at 8 instead of 16 (bench/cache_budget.py --lane-sms).
+        # (bench/contention.py); the cached, captured, prefetching step went from 393 to 450
+        # steps/s with the caps at 8 / 6 instead of 16 / 16 (bench/cache_budget.py --lane-sms
+        # 16 8 12 --write-sms 16 6 8).
         self.overlap = overlap
         self.lane_sms = lane_sms
         self.write_sms = write_sms
@@ -394,31 +406,28 @@ class CachedRows(HostRows):
         at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, scratch)
         order, misses = ops._partition(miss)  # misses first, ascending
         self.stats[:3] += torch.cat([d.count, d.count - misses, misses])
+        # On the lane, as soon as the lookup is done: the victims are chosen and their rows
+        # written back while the stage copies the hits and loads the misses, and the step
+        # trains. Forked before the row copies, the write-back starts about 0.2 ms earlier in
+        # the main job's step (the link is its critical path). The lane's work reads these
+        # (and allocates what it makes): they stay alive until it joins at commit.
+        with self._on_lane():
+            victims = self._evict(d, at, order, misses)
+            self._lane_done = self._lane_event()
+        self._lane_uses = [d, at, order, misses, victims]
         buf = self._buffer(n)
         for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
             torch.index_select(part, 0, at, out=rows)
+        # The misses no prefetch loaded, on this stream (it needs them next), capped like the
+        # lane's loads: they share the link with the evictions. No row is in both: a miss is not
+        # cached, an evicted row is.
         carried = self._take_carry(buf, d, miss)
-        # The lane's work reads these (and allocates what it makes): they stay alive until it
-        # joins the current stream at commit.
-        lane: list = [d, at, order, misses, buf]
-        # On the lane, in order: the misses load (the current stream waits only for them), the
-        # victims are chosen and evicted while the step goes on (e.g. another table stages).
-        with self._on_lane():
-            if carried is None:
-                miss_rows = d.ids[order]
-                self._move(buf.unbind(0), miss_rows, order, misses, load=True,
-                           sms=self._lane_sms)
-                lane.append(miss_rows)
-            else:
-                lane += [carried, *self._load(buf, d, miss & ~carried, sms=self._lane_sms)]
-            loaded = self._lane_event()
-            victims = self._evict(d, at, order, misses)
-            lane.append(victims)
-            self._lane_done = self._lane_event()
-        if loaded is not None:
-            torch.cuda.current_stream(self.device).wait_event(loaded)
+        if carried is None:
+            self._move(buf.unbind(0), d.ids[order], order, misses, load=True,
+                       sms=self._lane_sms)
+        else:
+            self._load(buf, d, miss & ~carried, sms=self._lane_sms)
         self._staged = (d, buf, at, order, misses, victims)
-        self._lane_uses = lane
         return buf, d
 
     def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> Victims:
