@@ -252,10 +252,11 @@ class HostRows:
     # H100); capped at 8 / 16 / 32 SMs it won (252.7 / 266.4 / 276.3): bench/cache_budget.py
     # --ahead-sms. The cache's lane has its own cap (lane_sms).
     ahead_sms = 32
-    # The most SMs of a commit's write-back (0: no cap of its own). It runs on the current
-    # stream while the prefetch may still be loading: capped, the two directions of the link
-    # can add up (bench/contention.py: a load and a write-back together at 62-66 GB/s with
-    # each capped at 6-32 SMs, 48 GB/s uncapped).
+    # The most SMs of a commit's write-back (0: no cap of its own), which may run beside the
+    # prefetch's loads. Capped, a load and a write-back together reach 62-66 GB/s, against 48
+    # uncapped (bench/contention.py); in the uncached step a cap of 8 changed nothing beyond
+    # the spread of runs (uniform corpus, prefetch on 32 / 16 SMs: 236-253 / 260-295 steps/s
+    # capped, 237-247 / 273-275 not: bench/cache_budget.py --write-sms 0 8), so none by default.
     write_sms = 0
 
     @property
