@@ -60,8 +60,8 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     """Steps at this budget, the tables as the previous budget left them (one set-up for all);
     mode "graph": each step one CUDA graph replay, "eager": launched op by op, "prefetch": eager,
     each step prefetching the next batch's rows (HostEmbedding.prefetch), "graph-prefetch": both
-    (the captured step takes the next batch's ids as inputs); overlap: the caches'
-    misses load and their evicted rows go back on a side stream beside the training kernels
+    (the captured step takes the next batch's ids as inputs); overlap: the caches' victims are
+    chosen and their rows go back on a side stream beside the stage and the training kernels
     (else all in order on one stream), their loads on at most lane_sms SMs, their write-backs
     on at most write_sms (None: the store's default); without a cache lane_sms is the
     prefetch's cap (HostRows.ahead_sms) and write_sms the commit's."""
@@ -119,10 +119,13 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
 
 
 def sms_label(r) -> str:
-    """The SM caps of a run: loads/write-backs with a cache, the prefetch's without."""
+    """The SM caps of a run: loads/write-backs with a cache; without one the prefetch's (-: no
+    prefetch, 0: uncapped) and the commit's write-back's."""
     if r["lane_sms"] is not None:
         return f"{r['lane_sms']}/{r['write_sms']}"
-    return f"{r['ahead_sms'] or '-'}/{r['write_sms']}"
+    if r["write_sms"] is None:  # a cache without its lane: no caps
+        return "-"
+    return f"{'-' if r['ahead_sms'] is None else r['ahead_sms']}/{r['write_sms']}"
 
 
 def settings(a, budget_mb):

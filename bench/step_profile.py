@@ -181,9 +181,10 @@ def main() -> None:
     p.add_argument("--unfused", action="store_true",
                    help="Adam without fused=True (the demo fuses it on a GPU)")
     p.add_argument("--lane-sms", type=int, default=None,
-                   help="the caches' lane_sms (their loads' SM cap; default the stores')")
+                   help="the SM cap of the stores' loads: the caches' lane_sms (without a cache "
+                        "the prefetch's, HostRows.ahead_sms); default the stores'")
     p.add_argument("--write-sms", type=int, default=None,
-                   help="the caches' write_sms (their write-backs' SM cap; default the stores')")
+                   help="the SM cap of the stores' write-backs (write_sms); default the stores'")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -203,7 +204,8 @@ def main() -> None:
         run = ModuleTraining(args, device)
         for emb in (run.u, run.v):
             if a.lane_sms is not None:
-                emb.store.lane_sms = a.lane_sms
+                setattr(emb.store, "lane_sms" if hasattr(emb.store, "lane_sms") else "ahead_sms",
+                        a.lane_sms)
             if a.write_sms is not None:
                 emb.store.write_sms = a.write_sms
         return run

@@ -187,18 +187,14 @@ class ModuleTraining:
             emb.set_cache_bytes(share)
 
     def _train(self, labels, ctx, negs, following=None) -> Tensor:
-        # v (a context and the negatives per centre: most of the step's rows) stages first and
-        # starts its prefetch before u stages: its transfers are the longest of the step. The
-        # prefetches load while this step's backward and updates run.
-        vc, vn = self.v(ctx, negs)
-        if following is not None:
-            self.v.prefetch(following[1], following[2])
         u = self.u(labels)
-        if following is not None:
+        vc, vn = self.v(ctx, negs)
+        if following is not None:  # loads while this step's backward and updates run
             self.u.prefetch(following[0])
+            self.v.prefetch(following[1], following[2])
         loss = skipgram_loss(u, vc, vn)
         loss.backward()
-        self.u.step()  # u's commit is short: it runs while v's transfers finish
+        self.u.step()
         self.v.step()
         return loss.detach()
 

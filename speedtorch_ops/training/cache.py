@@ -59,6 +59,26 @@ from .stores import RowStore, on_stream, wait_for
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
 
+class _SmCap:
+    """An SM cap of a store's transfer kernels (an int >= 0; 0: no cap of its own), checked
+    when set."""
+
+    def __init__(self, default: int):
+        self.default = default
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None) -> int:
+        return self.default if obj is None else obj.__dict__.get(self.name, self.default)
+
+    def __set__(self, obj, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{type(obj).__name__}: {self.name} must be an int >= 0, got "
+                             f"{value!r}")
+        obj.__dict__[self.name] = value
+
+
 class Distinct:
     """The distinct ids of a plan (each below `rows`), on its device, in fixed shapes:
     ``ids[:count]`` ascending, ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of
@@ -251,13 +271,13 @@ class HostRows:
     # prefetch lost to none (223.3 against 243.5 steps/s, captured, no cache, uniform corpus,
     # H100); capped at 8 / 16 / 32 SMs it won (252.7 / 266.4 / 276.3): bench/cache_budget.py
     # --ahead-sms. The cache's lane has its own cap (lane_sms).
-    ahead_sms = 32
+    ahead_sms = _SmCap(32)
     # The most SMs of a commit's write-back (0: no cap of its own), which may run beside the
     # prefetch's loads. Capped, a load and a write-back together reach 62-66 GB/s, against 48
     # uncapped (bench/contention.py); in the uncached step a cap of 8 changed nothing beyond
     # the spread of runs (uniform corpus, prefetch on 32 / 16 SMs: 236-253 / 260-295 steps/s
     # capped, 237-247 / 273-275 not: bench/cache_budget.py --write-sms 0 8), so none by default.
-    write_sms = 0
+    write_sms = _SmCap(0)
 
     @property
     def _ahead_sms(self) -> int:
@@ -327,6 +347,9 @@ class HostRows:
 class CachedRows(HostRows):
     """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
 
+    lane_sms = _SmCap(8)
+    write_sms = _SmCap(6)
+
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
                  overlap: bool = True, lane_sms: int = 8, write_sms: int = 6,
                  admission: str = "frequency"):
@@ -338,15 +361,12 @@ class CachedRows(HostRows):
         # when the step's misses fit in the slots it does not use); on the Zipf skip-gram's v
         # table it held the same hit rate (bench/cache_policy.py --admission).
         self.admission = admission
-        for name, sms in (("lane_sms", lane_sms), ("write_sms", write_sms)):
-            if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
-                raise ValueError(f"CachedRows: {name} must be an int >= 0, got {sms!r}")
         # The lane (on a GPU, with ``overlap``, which may change between steps): a side stream
         # on which the victims are chosen and the evicted rows written back while the step
         # stages and trains. With it, the store's loads (a stage's misses, the prefetch) use at
         # most ``lane_sms`` SMs and its write-backs at most ``write_sms`` (0: no cap of their
-        # own), so the training kernels keep the rest. Without it everything runs in order on
-        # the current stream.
+        # own), so the training kernels keep the rest. Without it the cache's own transfers
+        # run in order on the current stream, uncapped.
         # The caps are low because a transfer that keeps more requests in flight than the link
         # takes slows every kernel beside it, not only itself: on the H100 a burst of small
         # kernels ran 3.4-3.8x slower beside a write-back on 8 or more SMs, 1.8x beside one on

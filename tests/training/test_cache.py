@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import speedtorch_ops as so
-from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops import ops
+from speedtorch_ops.training.cache import CachedRows, HostRows
 from conftest import HAS_CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -126,8 +127,56 @@ def test_admission_rules(device, admission):
 
 
 @pytest.mark.parametrize("name", ["lane_sms", "write_sms"])
-@pytest.mark.parametrize("bad", [-1, 2.0, True])
+@pytest.mark.parametrize("bad", [-1, 2.0, True, None])
 def test_sm_caps_are_checked(name, bad):
     host = torch.zeros(10, 1, 4)
     with pytest.raises(ValueError, match=name):
         CachedRows(host, torch.device("cpu"), 2, **{name: bad})
+    store = CachedRows(host, torch.device("cpu"), 2)
+    with pytest.raises(ValueError, match=name):
+        setattr(store, name, bad)
+    assert getattr(store, name) == {"lane_sms": 8, "write_sms": 6}[name]  # unchanged
+    store = HostRows(host, torch.device("cpu"))
+    other = "ahead_sms" if name == "lane_sms" else name
+    with pytest.raises(ValueError, match=other):
+        setattr(store, other, bad)
+    setattr(store, other, 0)  # no cap of its own
+    assert getattr(store, other) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sm_caps_reach_the_transfers(device, monkeypatch):
+    """Each transfer of a cached step and of an uncached one carries its cap: loads lane_sms,
+    write-backs write_sms on a GPU with the lane; no cap without one (the CPU) or for a cache
+    that runs in order (overlap off); an uncached store's prefetch ahead_sms and commit
+    write_sms."""
+    calls = []
+    real = ops._sorted_transfer
+
+    def record(table, parts, rows, slots, load, count=None, **kw):
+        calls.append((load, kw["sms"]))
+        return real(table, parts, rows, slots, load, count, **kw)
+
+    monkeypatch.setattr(ops, "_sorted_transfer", record)
+    dev = torch.device(device)
+    lane = device == "cuda"
+    for overlap in (True, False):
+        emb = so.HostEmbedding(40, 4, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                               device=device)
+        emb.store = CachedRows(emb.host, dev, 3, overlap=overlap, lane_sms=5, write_sms=3)
+        calls.clear()
+        for ids in ([0, 1, 2, 3], [4, 5, 6, 7]):  # misses and evictions
+            emb(torch.tensor(ids, device=device)).sum().backward()
+            emb.prefetch(torch.tensor([9, 10], device=device))
+            emb.step()
+        capped = lane and overlap
+        assert {c for c in calls if c[0]} == {(True, 5 if capped else 0)}
+        assert {c for c in calls if not c[0]} == {(False, 3 if capped else 0)}
+    emb = so.HostEmbedding(40, 4, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           device=device)
+    emb.store.ahead_sms, emb.store.write_sms = 7, 2
+    calls.clear()
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    emb.prefetch(torch.tensor([3], device=device))
+    emb.step()
+    assert sorted(set(calls)) == [(False, 2), (True, 0), (True, 7)]  # stage, prefetch, commit
