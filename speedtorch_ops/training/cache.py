@@ -368,12 +368,13 @@ class CachedRows(HostRows):
         # own), so the training kernels keep the rest. Without it the cache's own transfers
         # run in order on the current stream, uncapped.
         # The caps are low because a transfer that keeps more requests in flight than the link
-        # takes slows every kernel beside it, not only itself: on the H100 a burst of small
-        # kernels ran 3.4-3.8x slower beside a write-back on 8 or more SMs, 1.8x beside one on
-        # 6 at the same 47 GB/s, and 1.5x beside a load on 8 SMs at 42 GB/s
-        # (bench/contention.py); the cached, captured, prefetching step went from 393 to 450
-        # steps/s with the caps at 8 / 6 instead of 16 / 16 (bench/cache_budget.py --lane-sms
-        # 16 8 12 --write-sms 16 6 8).
+        # takes slows every kernel beside it, not only itself. On the H100 a captured burst of
+        # small kernels ran 3.6x slower beside an uncapped load and 1.2-1.3x beside one on 8-16
+        # SMs (46-49 GB/s); beside a load and a write-back of other rows at once, 3.8x with
+        # 16 SMs each (66 GB/s together) and 1.5x with 6 each (64 GB/s) (bench/contention.py).
+        # The cached, captured, prefetching step went from 393 to 450 steps/s with the caps at
+        # 8 / 6 instead of 16 / 16; 12 / 6, 10 / 6, 6 / 6, 8 / 8 and 8 / 4 were slower
+        # (bench/cache_budget.py --lane-sms 16 8 12 --write-sms 16 6 8, and 8 6 10 x 6 4 8).
         self.overlap = overlap
         self.lane_sms = lane_sms
         self.write_sms = write_sms
