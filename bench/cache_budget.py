@@ -12,6 +12,7 @@ cost at the link's best). Output: a table, cache_budget.json and cache_budget.pn
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -134,15 +135,15 @@ def settings(a, budget_mb):
     prefetch's."""
     for mode in a.modes:
         if budget_mb == 0:
-            for sms in (a.ahead_sms if "prefetch" in mode else [0]):
-                for write_sms in a.write_sms:
-                    yield mode, True, sms, a.admission[0], write_sms
+            caps = a.ahead_sms if "prefetch" in mode else [0]
+            for sms, write_sms in itertools.product(caps, a.write_sms):
+                yield mode, True, sms, a.admission[0], write_sms
             continue
         for overlap in a.overlap:
-            for sms in (a.lane_sms if overlap == "on" else [0]):
-                for write_sms in (a.write_sms if overlap == "on" else [None]):
-                    for admission in a.admission:
-                        yield mode, overlap == "on", sms, admission, write_sms
+            on = overlap == "on"
+            for sms, write_sms, admission in itertools.product(
+                    a.lane_sms if on else [0], a.write_sms if on else [None], a.admission):
+                yield mode, on, sms, admission, write_sms
 
 
 def profile_steps(a, run, batches, device) -> None:

@@ -120,7 +120,8 @@ def _sorted_transfer(table: Tensor, parts: Sequence[Tensor], sorted_rows: Tensor
 # Fixed shapes, counts kept on the device (one int64), nothing read back: a step planned with
 # these never makes the host wait and can be captured in a CUDA graph. Values are trusted (the
 # stores check ids on the host); one out of range gives an unspecified result, but nothing is
-# read or written outside the tensors. On a GPU each is a few kernels where the same plan in torch ops took tens.
+# read or written outside the tensors. On a GPU each is a few kernels where the same plan in
+# torch ops took tens.
 
 def _sort_ids(keys: Tensor, bound: int):
     """(``keys`` (1-D int64, each below ``bound``) sorted ascending, stably; the position of

@@ -15,8 +15,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> sort_ids_cpu(const at::Tensor& keys, int64_t bound) {
   check_sort_ids_args(keys, "keys", bound);
-  auto [sorted, perm] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  return {sorted, perm};
+  return at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& index,

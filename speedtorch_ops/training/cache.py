@@ -57,6 +57,8 @@ from .plan import Plan
 from .stores import RowStore, on_stream, wait_for
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
+# The row cache's SM caps by default, loads and write-backs (why: CachedRows.__init__).
+_LANE_SMS, _WRITE_SMS = 8, 6
 
 
 class _SmCap:
@@ -347,11 +349,11 @@ class HostRows:
 class CachedRows(HostRows):
     """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
 
-    lane_sms = _SmCap(8)
-    write_sms = _SmCap(6)
+    lane_sms = _SmCap(_LANE_SMS)
+    write_sms = _SmCap(_WRITE_SMS)
 
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
-                 overlap: bool = True, lane_sms: int = 8, write_sms: int = 6,
+                 overlap: bool = True, lane_sms: int = _LANE_SMS, write_sms: int = _WRITE_SMS,
                  admission: str = "frequency"):
         super().__init__(host, device)
         if slots < 1:
