@@ -10,8 +10,8 @@ Writes op_profile.json. The loop's time per call (CUDA events around the whole l
 the gaps the host leaves between kernels (its waits, or a host slower than the GPU); the
 kernels' sum does not, so their difference is what the host adds. The host time per call (a
 wall clock around a loop started with the GPU idle) tells which: a call that does not wait
-costs the host only its launches. Last, the read ceiling of a zero-copy kernel against a memcpy
-of the same bytes."""
+costs the host only its launches. Last, the read and write ceilings of a zero-copy kernel
+against memcpys of the same bytes and of the whole batch's."""
 
 import argparse
 import json
@@ -87,24 +87,36 @@ def main():
                       f"{sum(kernels.values()):.1f} us, host {host:.1f} us")
                 for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                     print(f"  {us:9.1f} us  {name}")
-    # The read ceiling of the zero-copy kernel: the batch's distinct rows, presorted and dense
-    # (the first rows of the table, no duplicates, nothing to sort), against a memcpy of the
-    # same bytes. No op that reads rows in place can beat this rate.
+    # The ceilings of the zero-copy kernel, each way: the batch's distinct rows, presorted and
+    # dense (the first rows of the table, no duplicates, nothing to sort), against a memcpy of
+    # the same bytes that way and one of the whole batch's bytes (the seed table's yardstick).
+    # No op that moves rows in place can beat its direction's rate.
     distinct = int(torch.unique(idx).numel())
     rows = torch.arange(distinct, device=dev)
     part = torch.empty(distinct, a.dim, device=dev)
     wide = pinned.view(a.rows, 1, a.dim)
     host = torch.empty(distinct * a.dim, pin_memory=True)
     flat = part.view(-1)
+    batch_host = torch.empty(a.batch * a.dim, pin_memory=True)
+    batch_dev = torch.empty(a.batch * a.dim, device=dev)
+
+    def zero_copy(load):
+        return lambda: speedtorch_ops.ops._sorted_transfer(wide, [part], rows, rows, load=load,
+                                                           bounds_check="prechecked")
+
     for name, fn in (
-            ("zero-copy read of the distinct rows, dense", lambda: speedtorch_ops.ops.
-             _sorted_transfer(wide, [part], rows, rows, load=True, bounds_check="prechecked")),
-            ("memcpy of the same bytes", lambda: flat.copy_(host, non_blocking=True))):
+            ("zero-copy read of the distinct rows, dense", zero_copy(True)),
+            ("memcpy of the same bytes", lambda: flat.copy_(host, non_blocking=True)),
+            ("zero-copy write of the distinct rows, dense", zero_copy(False)),
+            ("memcpy of the same bytes back", lambda: host.copy_(flat, non_blocking=True)),
+            ("memcpy of the whole batch's bytes back",
+             lambda: batch_host.copy_(batch_dev, non_blocking=True))):
         kernels, per_call = profile(fn, a.calls)
+        n = a.batch if "whole batch" in name else distinct
         results[f"ceiling: {name}"] = {"kernels_us": kernels, "per_call_us": per_call,
-                                       "bytes": distinct * a.dim * 4}
-        print(f"\nceiling: {name} ({distinct:,} rows): {per_call:.1f} us per call, "
-              f"{distinct * a.dim * 4 / per_call / 1e3:.1f} GB/s")
+                                       "bytes": n * a.dim * 4}
+        print(f"\nceiling: {name} ({n:,} rows): {per_call:.1f} us per call, "
+              f"{n * a.dim * 4 / per_call / 1e3:.1f} GB/s")
     with open(os.path.join(a.out, "op_profile.json"), "w") as f:
         json.dump({"rows": a.rows, "batch": a.batch, "dim": a.dim, "calls": a.calls,
                    "gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
