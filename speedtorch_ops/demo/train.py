@@ -187,17 +187,26 @@ class ModuleTraining:
             emb.set_cache_bytes(share)
 
     def _train(self, labels, ctx, negs, following=None) -> Tensor:
-        # Each table prefetches right after its own forward (v, whose loads are the larger,
-        # first): the load then waits for that table's planning only, not for every table's.
-        # Captured, 1200 MiB of cache, H100: 462.6-470.4 steps/s in eight runs over three
-        # machines, against 444.5-461.8 with both prefetches after both forwards (the same
-        # calls; bench/cache_budget.py --budgets 1200 --modes graph-prefetch).
-        vc, vn = self.v(ctx, negs)
-        if following is not None:  # loads while this step's other work runs
+        # With caches each table prefetches right after its own forward, v (whose loads are
+        # the larger) first: v's load then waits for v's planning only, not for u's too.
+        # Without caches both forwards go first: each prefetch then moves every row of the next
+        # batch, and started before u's forward it slowed the step. Captured, H100,
+        # bench/cache_budget.py --modes graph-prefetch: Zipf with 1200 MiB of cache 462.6-470.4
+        # steps/s in eight runs over three machines against 444.5-461.8 in the other order;
+        # no cache 278.4 / 278.9 against 318.9 / 321.8 (Zipf) and 257.9 / 250.0 against
+        # 298.2 / 298.1 (uniform).
+        ahead = following is not None
+        if ahead and self.v.store.cached_bytes() > 0:
+            vc, vn = self.v(ctx, negs)
             self.v.prefetch(following[1], following[2])
-        u = self.u(labels)
-        if following is not None:
+            u = self.u(labels)
             self.u.prefetch(following[0])
+        else:
+            u = self.u(labels)
+            vc, vn = self.v(ctx, negs)
+            if ahead:  # loads while this step's backward and updates run
+                self.u.prefetch(following[0])
+                self.v.prefetch(following[1], following[2])
         loss = skipgram_loss(u, vc, vn)
         loss.backward()
         self.u.step()
