@@ -1,0 +1,56 @@
+"""Where a seed op call's host time goes: host µs per call of the pinned and CUDA-table ops
+with the GPU kept busy (nothing waits), then torch.profiler's CPU side (CUDA runtime calls
+included) of 20 calls. Prints; run from the repository root: python3 bench/op_host.py
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "bench")
+import speedtorch_ops  # noqa: E402
+from _workloads import add_seed_shape, seed_workload  # noqa: E402
+
+p = argparse.ArgumentParser()
+add_seed_shape(p)
+a = p.parse_args([])
+dev = torch.device("cuda")
+pinned, on_gpu, idx_cpu = seed_workload(a)
+idx = idx_cpu.to(dev)
+var = torch.randn(a.batch, a.dim, device=dev)
+ops = speedtorch_ops
+calls = {
+    "pinned scatter deferred":
+        lambda: ops.pinned_scatter(pinned, idx, var, bounds_check="deferred"),
+    "pinned scatter prechecked":
+        lambda: ops.pinned_scatter(pinned, idx, var, bounds_check="prechecked"),
+    "pinned gather deferred":
+        lambda: ops.pinned_gather_into(pinned, idx, var, bounds_check="deferred"),
+    "cuda scatter deferred":
+        lambda: ops.pinned_scatter(on_gpu, idx, var, bounds_check="deferred"),
+    "is_zero_copy_usable": lambda: ops.is_zero_copy_usable(pinned),
+}
+for name, fn in calls.items():
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the GPU busy: nothing the calls queue can wait
+    t = time.perf_counter()
+    for _ in range(20):
+        fn()
+    h = (time.perf_counter() - t) / 20 * 1e6
+    torch.cuda.synchronize()
+    print(f"{name}: host {h:.1f} us a call (GPU busy)", flush=True)
+activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+for name in ("pinned scatter deferred", "cuda scatter deferred"):
+    fn = calls[name]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    print(f"\n== {name}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
+                                    max_name_column_width=60))
