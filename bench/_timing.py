@@ -36,3 +36,16 @@ def wall(fn, reps, warmup=3):
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[warmup:])
 
+
+def host_while_busy(fn, calls=1, sleep_cycles=200_000_000):
+    """Host seconds per call of fn() over `calls` calls queued while the GPU sleeps (about 0.1
+    s at the default), so nothing they queue can make the host wait: what a call costs the
+    host alone."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(sleep_cycles)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return seconds

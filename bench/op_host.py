@@ -4,12 +4,12 @@ included) of 20 calls. Prints; run from the repository root: python3 bench/op_ho
 """
 import argparse
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "bench")
 import speedtorch_ops  # noqa: E402
+from _timing import host_while_busy  # noqa: E402
 from _workloads import add_seed_shape, seed_workload  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -34,13 +34,7 @@ calls = {
 for name, fn in calls.items():
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the GPU busy: nothing the calls queue can wait
-    t = time.perf_counter()
-    for _ in range(20):
-        fn()
-    h = (time.perf_counter() - t) / 20 * 1e6
-    torch.cuda.synchronize()
+    h = host_while_busy(fn, calls=20) * 1e6
     print(f"{name}: host {h:.1f} us a call (GPU busy)", flush=True)
 activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 for name in ("pinned scatter deferred", "cuda scatter deferred"):

@@ -104,15 +104,15 @@ def main():
         return lambda: speedtorch_ops.ops._sorted_transfer(wide, [part], rows, rows, load=load,
                                                            bounds_check="prechecked")
 
-    for name, fn in (
-            ("zero-copy read of the distinct rows, dense", zero_copy(True)),
-            ("memcpy of the same bytes", lambda: flat.copy_(host, non_blocking=True)),
-            ("zero-copy write of the distinct rows, dense", zero_copy(False)),
-            ("memcpy of the same bytes back", lambda: host.copy_(flat, non_blocking=True)),
-            ("memcpy of the whole batch's bytes back",
+    for name, n, fn in (
+            ("zero-copy read of the distinct rows, dense", distinct, zero_copy(True)),
+            ("memcpy of the same bytes", distinct, lambda: flat.copy_(host, non_blocking=True)),
+            ("zero-copy write of the distinct rows, dense", distinct, zero_copy(False)),
+            ("memcpy of the same bytes back", distinct,
+             lambda: host.copy_(flat, non_blocking=True)),
+            ("memcpy of the whole batch's bytes back", a.batch,
              lambda: batch_host.copy_(batch_dev, non_blocking=True))):
         kernels, per_call = profile(fn, a.calls)
-        n = a.batch if "whole batch" in name else distinct
         results[f"ceiling: {name}"] = {"kernels_us": kernels, "per_call_us": per_call,
                                        "bytes": n * a.dim * 4}
         print(f"\nceiling: {name} ({n:,} rows): {per_call:.1f} us per call, "

@@ -13,8 +13,10 @@ import time
 import torch
 
 sys.path.insert(0, "bench")
+from _timing import host_while_busy  # noqa: E402
 from _workloads import add_skipgram_shape, skipgram_corpus  # noqa: E402
 from speedtorch_ops.demo.train import ModuleTraining  # noqa: E402
+from speedtorch_ops.training.placement import upload  # noqa: E402
 
 p = argparse.ArgumentParser()
 add_skipgram_shape(p)
@@ -73,14 +75,7 @@ for r in range(2):
 
 def busy(name, fn):
     """Host time of fn with the GPU kept busy (nothing it queues can wait)."""
-    ts = []
-    for i in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(20_000_000)
-        t = time.perf_counter()
-        fn(i)
-        ts.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
+    ts = [host_while_busy(lambda: fn(i), sleep_cycles=20_000_000) for i in range(5)]
     print(f"host time of one {name}, GPU busy: " + ", ".join(f"{x * 1e3:.2f}" for x in ts)
           + " ms")
 
@@ -88,9 +83,6 @@ def busy(name, fn):
 def copies(i):
     for src, into in zip((*gpu[i], *gpu[i + 1]), cap._inputs):
         into.view(-1).copy_(src.view(-1), non_blocking=True)
-
-
-from speedtorch_ops.training.placement import upload  # noqa: E402
 
 
 def uploads(i):
