@@ -96,7 +96,8 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // the zero-copy kernels move, fixed in [0, 1], or negative for the automatic split.
   m.def("_set_hybrid_share(float share) -> float", &speedtorch_ops::cuda_impl::set_hybrid_share);
   // Test hook of the routing: the table span (bytes) from which a CUDA index over pinned host
-  // tables takes the hybrid path (0 restores the default); returns the previous setting.
+  // tables takes the hybrid path and write-backs go through the CPU (0 restores the defaults);
+  // returns the previous setting.
   m.def("_set_hybrid_min_span(int bytes) -> int",
         &speedtorch_ops::cuda_impl::set_hybrid_min_span);
   // Waits for the current stream of CUDA device `device`, then raises the bad index a call with

@@ -17,14 +17,26 @@ namespace speedtorch_ops {
 // row sees its updates in index order. The positions are bucketed by owner first (a counting
 // pass and a placing pass over chunks of the index, both parallel), so every task reads only
 // its own positions: O(n) work in all, not O(n x threads).
+//
+// With `ready`, the source rows arrive in chunks of `ready_chunk` positions: a task calls ready(c)
+// before it first reads a row of chunk c (rising c, possibly skipping some), so the writes of
+// the chunks that have landed run while later ones are still on their way.
 template <typename index_t, typename Visit>
 static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes,
-                           const Visit& visit) {
+                           int64_t ready_chunk, const ChunkReady* ready, const Visit& visit) {
+  const auto visit_ready = [&](int64_t i, int64_t& next) {
+    if (ready != nullptr && i >= next) {
+      (*ready)(i / ready_chunk);
+      next = (i / ready_chunk + 1) * ready_chunk;
+    }
+    visit(i, static_cast<int64_t>(idx[i]));
+  };
   const int64_t parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
                             ? 1
                             : std::min<int64_t>(at::get_num_threads(), rows);
   if (parts <= 1) {
-    for (int64_t i = 0; i < n; ++i) visit(i, static_cast<int64_t>(idx[i]));
+    int64_t next = 0;
+    for (int64_t i = 0; i < n; ++i) visit_ready(i, next);
     return;
   }
   const int64_t block = (rows + parts - 1) / parts;  // table rows per owner
@@ -61,15 +73,19 @@ static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t 
   });
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t k = start[p]; k < start[p + 1]; ++k) {
-        visit(order[k], static_cast<int64_t>(idx[order[k]]));
-      }
+      int64_t next = 0;
+      for (int64_t k = start[p]; k < start[p + 1]; ++k) visit_ready(order[k], next);
     }
   });
 }
 
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate) {
+  scatter_rows_cpu(table, index, src, accumulate, index.numel(), nullptr);
+}
+
+void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                      bool accumulate, int64_t chunk, const ChunkReady* ready) {
   const int64_t n = index.numel();
   const int64_t rb = row_bytes(table);
   if (n == 0 || rb == 0) return;
@@ -79,7 +95,7 @@ void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tens
     if (!accumulate) {
       char* dst = static_cast<char*>(table.mutable_data_ptr());
       const char* s = static_cast<const char*>(src.const_data_ptr());
-      for_each_owned(idx, n, rows, rb, [&](int64_t i, int64_t r) {
+      for_each_owned(idx, n, rows, rb, chunk, ready, [&](int64_t i, int64_t r) {
         copy_rows_cpu(dst, s, rb, i, i + 1,
                       [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
       });
@@ -90,7 +106,7 @@ void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tens
       const int64_t width = rb / static_cast<int64_t>(sizeof(scalar_t));
       scalar_t* dst = table.mutable_data_ptr<scalar_t>();
       const scalar_t* s = src.const_data_ptr<scalar_t>();
-      for_each_owned(idx, n, rows, rb, [&](int64_t i, int64_t r) {
+      for_each_owned(idx, n, rows, rb, chunk, ready, [&](int64_t i, int64_t r) {
         scalar_t* d = dst + r * width;
         const scalar_t* v = s + i * width;
         for (int64_t c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(d[c] + v[c]);

@@ -184,14 +184,15 @@ template <typename V>
 __global__ void __launch_bounds__(kCappedThreads)
     copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
                      const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
-                     bool last_of_run, const int32_t* __restrict__ winner,
+                     bool last_of_run, LastOf last_of,
                      const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
   n = limited(n, limit);
   for_each_item(t.count, t.row_major, n, team_log2, status,
                 [&](int k, int64_t j, int lane, int team) {
     if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
+    // a later position writes this row
+    if (last_of.last != nullptr && last_of.last[last_of.entry[j]] != j + 1) return;
     const int64_t d = dst_idx ? dst_idx[j] : j;
-    if (winner != nullptr && winner[d] != j) return;  // a later position writes this row
     const int64_t s = src_idx ? src_idx[j] : j;
     const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
     const V* from = reinterpret_cast<const V*>(t.src[k] + s * t.src_stride[k]);
@@ -223,15 +224,27 @@ __global__ void __launch_bounds__(kCappedThreads)
   });
 }
 
-// winner[row] = the last position j with idx[j] == row (atomicMax), for a scatter in which the
-// last duplicate wins without sorting. Runs after validation: with a bad index it does nothing.
+// For each i: finds or claims the entry of row idx[i] in an open-addressing hash of `cap`
+// entries (a power of two, at least twice n; keys hold row + 1, zeroed = free), raises its
+// last[] to i + 1 (atomicMax) and notes the entry in entry[i]. Runs after validation: with a
+// bad index it does nothing (nor does the copy that reads it).
 __global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n,
-                                 int32_t* __restrict__ winner,
+                                 unsigned long long* __restrict__ keys, int32_t* __restrict__ last,
+                                 int64_t cap, int32_t* __restrict__ entry,
                                  const int64_t* __restrict__ status) {
   if (status[0] != 0) return;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    atomicMax(winner + idx[i], static_cast<int32_t>(i));
+    const unsigned long long key = static_cast<unsigned long long>(idx[i]) + 1;
+    // Fibonacci hashing: consecutive rows land far apart.
+    uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 20;
+    for (;; ++h) {
+      h &= static_cast<uint64_t>(cap - 1);
+      const unsigned long long seen = atomicCAS(keys + h, 0ull, key);
+      if (seen == 0ull || seen == key) break;
+    }
+    atomicMax(last + h, static_cast<int32_t>(i + 1));
+    entry[i] = static_cast<int32_t>(h);
   }
 }
 
@@ -291,7 +304,7 @@ cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, i
 }
 
 cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
-                             int64_t n, bool last_of_run, const int32_t* winner,
+                             int64_t n, bool last_of_run, LastOf last_of,
                              const int64_t* status, Grid grid, cudaStream_t stream,
                              const int64_t* limit) {
   return by_vector_width(t, [&](auto vec) {
@@ -299,14 +312,34 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
     const int team_log2 = team_log2_of<V>(t);
     const Shape shape = shape_for(n * t.count, team_log2, grid);
     copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
-        t, dst_idx, src_idx, n, team_log2, last_of_run, winner, status, limit);
+        t, dst_idx, src_idx, n, team_log2, last_of_run, last_of, status, limit);
     return cudaGetLastError();
   });
 }
 
-cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
-                             const int64_t* status, cudaStream_t stream) {
-  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, winner, status);
+int64_t last_of_entries(int64_t n) {
+  int64_t cap = 1;
+  while (cap < 2 * n) cap <<= 1;
+  return cap;
+}
+
+int64_t last_of_bytes(int64_t n) {
+  return last_of_entries(n) * int64_t{sizeof(unsigned long long) + sizeof(int32_t)} +
+         n * int64_t{sizeof(int32_t)};
+}
+
+cudaError_t launch_mark_last(const int64_t* idx, int64_t n, void* scratch, const int64_t* status,
+                             cudaStream_t stream, LastOf* last_of) {
+  const int64_t cap = last_of_entries(n);
+  auto* keys = static_cast<unsigned long long*>(scratch);
+  auto* last = reinterpret_cast<int32_t*>(keys + cap);
+  int32_t* entry = last + cap;
+  // Only the keys and last[] need zeros; entry[] is written for every position.
+  cudaError_t err = cudaMemsetAsync(scratch, 0, cap * (sizeof(*keys) + sizeof(*last)), stream);
+  if (err != cudaSuccess) return err;
+  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, keys, last, cap,
+                                                                     entry, status);
+  *last_of = {last, entry};
   return cudaGetLastError();
 }
 

@@ -78,19 +78,31 @@ cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, i
                        const int64_t* values_in, int64_t* values_out, int64_t n, int bits,
                        cudaStream_t stream);
 
+// The last position of each distinct row of an index, found without a sort (launch_mark_last):
+// position j is its row's last when last[entry[j]] == j + 1. Both nullptr: no such filter.
+struct LastOf {
+  const int32_t* last = nullptr;
+  const int32_t* entry = nullptr;
+};
+
 // For j in [0, n) and every table: dst row (dst_idx ? dst_idx[j] : j) = src row
 // (src_idx ? src_idx[j] : j). last_of_run: dst_idx is sorted (stably) and j is skipped when
-// dst_idx[j + 1] == dst_idx[j], so the last duplicate in the caller's order wins. winner (or
-// nullptr): j is skipped unless winner[dst row] == j (see launch_mark_last).
+// dst_idx[j + 1] == dst_idx[j], so the last duplicate in the caller's order wins. last_of: j is
+// skipped unless it is its dst row's last position (dst_idx as marked by launch_mark_last).
 cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int64_t* src_idx,
-                             int64_t n, bool last_of_run, const int32_t* winner,
+                             int64_t n, bool last_of_run, LastOf last_of,
                              const int64_t* status, Grid grid, cudaStream_t stream,
                              const int64_t* limit = nullptr);
 
-// winner[idx[i]] = max(winner[idx[i]], i) for i in [0, n) (winner preset to -1, n < 2^31):
-// the last position of each row, so a scatter can let the last duplicate win without a sort.
-cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int32_t* winner,
-                             const int64_t* status, cudaStream_t stream);
+// @brief Device scratch bytes launch_mark_last needs for an index of n positions (a hash of
+// about 2n to 4n entries plus one int32 per position: independent of the table's size).
+int64_t last_of_bytes(int64_t n);
+
+// Marks the last position of each distinct row of idx[0, n) (n < 2^31) in `scratch`
+// (last_of_bytes(n), any contents: zeroed here), so a scatter lets the last duplicate win
+// without a sort; sets *last_of for launch_copy_rows. A memset and one kernel.
+cudaError_t launch_mark_last(const int64_t* idx, int64_t n, void* scratch, const int64_t* status,
+                             cudaStream_t stream, LastOf* last_of);
 
 // For every table: dst row perm[j] = src row sorted[j] for j in [0, n), with `sorted` ascending:
 // rows are read in address order and each distinct row once (a repeated row crosses PCIe once).

@@ -114,6 +114,7 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.moved_bytes = (n_wb + n_load) * total_rb;
   t.call.hybrid_share = cuda_impl::fixed_share();
   t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
+  t.call.host_write_min_span = cuda_impl::host_write_min_span();
   const Path path = route::route(t.call);
   raise_if_refused(path, t, device);
 
@@ -160,7 +161,7 @@ void transfer(at::TensorList tables, at::TensorList batch,
   auto load = on_device(load_index, load_name);
   // Per pair, the write-back is queued before the load on the same stream, so a row in both
   // indices is written back before it is loaded.
-  if (wb) cuda_impl::scatter_pairs(pairs, *wb, path, min_rows, tables[0], accumulate, v);
+  if (wb) cuda_impl::scatter_pairs(pairs, *wb, path, tables[0], accumulate, v);
   if (load) cuda_impl::gather_pairs(pairs, *load, path, v);
   v.raise_if_bad();
 }
@@ -259,7 +260,7 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   if (load) {
     cuda_impl::gather_pairs(pairs, index, path, v);
   } else {
-    cuda_impl::scatter_pairs(pairs, index, path, table.size(0), table, /*accumulate=*/false, v);
+    cuda_impl::scatter_pairs(pairs, index, path, table, /*accumulate=*/false, v);
   }
   v.raise_if_bad();
 }

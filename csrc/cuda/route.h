@@ -37,8 +37,16 @@ struct Call {
   // Measured on the H100 (bench/sweep.py, 131 k random 512 B rows, 16 threads, a CPU index for
   // the hybrid): zero-copy read 4 GiB in 1.66 ms against the hybrid's 1.84, but 8 GiB in 2.60
   // against 1.77, 24 GiB in 3.98 against 1.85, and 128 B rows of 8 GiB in 4.04 against 2.47.
-  // Write-backs stay zero-copy: through the hybrid an 8 GiB scatter took 3.40 ms against 2.67.
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
+  // From this span up, write-backs alone (no load in the call) into host-mapped tables go
+  // through the CPU (see route).
+  int64_t host_write_min_span = kHostWriteMinSpan;
+  // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
+  // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70
+  // for the zero-copy kernels, 512 k rows of 64 B in 2.55 against 10.2, of 128 B in 3.34
+  // against 9.62; into 8 GiB the zero-copy kernels still won 1 M rows of 64 B (3.65 against
+  // 6.69) and tied 128 B (3.57 against 3.57).
+  static constexpr int64_t kHostWriteMinSpan = int64_t{16} << 30;
 
   // Records one of the call's tables.
   void add(Memory memory) {
@@ -56,6 +64,7 @@ enum class Path {
   kHybrid,          // CPU threads + DMA beside the zero-copy kernels, the split tuned per shape
                     // (a CUDA index is brought to the host first, which waits for its stream)
   kHostStaged,      // the hybrid path's CPU side alone: CPU threads + DMA move every row
+                    // (a CUDA index is brought to the host first, which waits for its stream)
   // No path serves the call; the entry point raises, naming the argument and the fix.
   kRefusedRowsOnHost,   // a device table or index, but the rows on the host
   kRefusedMixedTables,  // pageable host tables beside device tables

@@ -45,12 +45,6 @@ void for_each_group(const std::vector<Pair>& pairs, bool to_batch, const Go& go)
   }
 }
 
-// A scatter into device memory marks each row's last position in a scratch array of one int32
-// per table row instead of sorting (a sort costs more than the copy itself there); above this
-// many table rows (256 MiB of scratch) it sorts like a host-mapped table, where sorted writes
-// also help PCIe.
-constexpr int64_t kMarkLastMaxRows = int64_t{64} << 20;
-
 }  // namespace
 
 DeviceIndex DeviceIndex::presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
@@ -128,15 +122,14 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
                                                 v.status(), v.grid(), v.stream(), index.limit()));
     } else {
       C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.slots(), index.rows().const_data_ptr<int64_t>(),
-                                            n, false, nullptr, v.status(), v.grid(), v.stream(),
+                                            n, false, cuda::LastOf{}, v.status(), v.grid(), v.stream(),
                                             index.limit()));
     }
   });
 }
 
 void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Path path,
-                   int64_t min_rows, const at::Tensor& like, bool accumulate,
-                   const Validation& v) {
+                   const at::Tensor& like, bool accumulate, const Validation& v) {
   const int64_t n = index.size();
   if (n == 0) return;
   if (accumulate) {
@@ -148,28 +141,28 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
         elem_of(like.scalar_type()), v.status(), v.grid(), v.stream()));
     return;
   }
-  if (path == route::Path::kDevice && index.slots() == nullptr && index.limit() == nullptr &&
-      min_rows <= kMarkLastMaxRows &&
-      n < std::numeric_limits<int32_t>::max()) {
+  if (path != route::Path::kZeroCopySorted && index.slots() == nullptr &&
+      index.limit() == nullptr && n < std::numeric_limits<int32_t>::max()) {
     const auto& rows = index.rows();
-    auto winner = at::empty({min_rows}, rows.options().dtype(at::kInt));
-    C10_CUDA_CHECK(cudaMemsetAsync(winner.mutable_data_ptr(), 0xff, winner.nbytes(), v.stream()));
+    auto scratch = at::empty({cuda::last_of_bytes(n)}, rows.options().dtype(at::kByte));
+    cuda::LastOf last_of;
     C10_CUDA_CHECK(cuda::launch_mark_last(rows.const_data_ptr<int64_t>(), n,
-                                          winner.mutable_data_ptr<int32_t>(), v.status(),
-                                          v.stream()));
+                                          scratch.mutable_data_ptr(), v.status(), v.stream(),
+                                          &last_of));
     for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
       C10_CUDA_CHECK(cuda::launch_copy_rows(t, rows.const_data_ptr<int64_t>(), nullptr, n,
-                                            /*last_of_run=*/false, winner.const_data_ptr<int32_t>(),
-                                            v.status(), v.grid(), v.stream()));
+                                            /*last_of_run=*/false, last_of, v.status(), v.grid(),
+                                            v.stream()));
     });
     return;
   }
-  // Host-mapped tables (and very tall device tables) take the rows in sorted order: the last
-  // position of each run of equal rows writes it, and PCIe sees writes in address order.
+  // Writes routed in sorted order (huge host-mapped tables, where PCIe writes in address order
+  // beat the row-rate cap of random ones), and rows given with their slots or a limit: the
+  // last position of each run of equal rows writes it.
   for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
     C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.sorted().const_data_ptr<int64_t>(),
                                           index.sorted_slots().const_data_ptr<int64_t>(), n,
-                                          /*last_of_run=*/true, nullptr, v.status(), v.grid(),
+                                          /*last_of_run=*/true, cuda::LastOf{}, v.status(), v.grid(),
                                           v.stream(), index.limit()));
   });
 }

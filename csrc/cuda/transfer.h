@@ -75,9 +75,11 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
                   const Validation& v);
 
 // @brief table[k][row j] = batch[k][slot j] for every pair; duplicate rows: the last slot wins
-// (or, with accumulate, one pair only, all add up in index order). `like` gives the dtype.
+// (or, with accumulate, one pair only, all add up in index order). Sorted for
+// route::Path::kZeroCopySorted, for accumulate, and for rows given with slots or a limit; else
+// in the index's order, each row's last position found by a hash (launch_mark_last). `like`
+// gives the dtype.
 void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Path path,
-                   int64_t min_rows, const at::Tensor& like, bool accumulate,
-                   const Validation& v);
+                   const at::Tensor& like, bool accumulate, const Validation& v);
 
 }  // namespace speedtorch_ops::cuda_impl

@@ -4,7 +4,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <limits>
+#include <mutex>
 #include <random>
+#include <vector>
 
 #include "speedtorch_ops/checks.h"
 
@@ -77,6 +81,40 @@ TEST_CASE("pinned_scatter: last duplicate wins; accumulate adds all in index ord
   scatter.call(summed, index, src, true, "raise");
   const auto ref = data.to(at::kDouble).index_add(0, index.to(at::kLong), src.to(at::kDouble));
   REQUIRE(at::allclose(summed.to(at::kDouble), ref, 1e-5, 1e-4));
+}
+
+TEST_CASE("scatter_rows_cpu with rows arriving in chunks reads each chunk only once ready") {
+  auto g = fresh_generator();
+  const int64_t n = 20000, chunk = 1500;  // ~2.6 MB: split between threads
+  const auto data = at::randn({4000, 33}, g);
+  const auto index = random_index(n, 4000, at::kLong, g);
+  const auto src = at::randn({n, 33}, g);
+  for (bool accumulate : {false, true}) {
+    // The staged rows are NaN until ready() "lands" their chunk (and every one before it, as a
+    // stream would): a row read too early would leave a NaN in the table.
+    auto staged = at::full({n, 33}, std::numeric_limits<float>::quiet_NaN());
+    std::mutex mutex;
+    int64_t landed = 0;
+    std::vector<int64_t> asked;
+    const speedtorch_ops::ChunkReady ready = [&](int64_t c) {
+      std::lock_guard<std::mutex> lock(mutex);
+      asked.push_back(c);
+      for (; landed <= c; ++landed) {
+        const int64_t len = std::min(chunk, n - landed * chunk);
+        staged.narrow(0, landed * chunk, len).copy_(src.narrow(0, landed * chunk, len));
+      }
+    };
+    auto table = data.clone();
+    speedtorch_ops::scatter_rows_cpu(table, index, staged, accumulate, chunk, &ready);
+    if (accumulate) {
+      const auto ref = data.to(at::kDouble).index_add(0, index, src.to(at::kDouble));
+      REQUIRE(at::allclose(table.to(at::kDouble), ref, 1e-5, 1e-4));
+    } else {
+      REQUIRE(at::equal(table, last_wins(data, index, src)));
+    }
+    REQUIRE(landed == (n + chunk - 1) / chunk);
+    REQUIRE(*std::max_element(asked.begin(), asked.end()) == landed - 1);
+  }
 }
 
 TEST_CASE("optimizer_state_swap writes back before it loads, for every pair") {

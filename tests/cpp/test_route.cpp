@@ -51,6 +51,60 @@ TEST_CASE("route: the sorted read starts at 32768 loaded rows") {
   REQUIRE(route(call(Memory::kMappedHost, true, 32768)) == Path::kZeroCopySorted);
 }
 
+TEST_CASE("route: write-backs go in sorted order only into host tables wider than 1 GiB") {
+  auto wb = call(Memory::kMappedHost, true, 0);
+  wb.writeback_rows = 1 << 20;
+  wb.mapped_span = int64_t{1} << 30;
+  REQUIRE(route(wb) == Path::kZeroCopy);
+  wb.mapped_span += 1;
+  REQUIRE(route(wb) == Path::kZeroCopySorted);
+  auto device = call(Memory::kDevice, true, 0);
+  device.writeback_rows = 1 << 20;
+  REQUIRE(route(device) == Path::kDevice);
+}
+
+TEST_CASE("route: write-backs alone into a very wide host table go through the CPU") {
+  const auto lone_writeback = [](bool on_device) {
+    auto wb = call(Memory::kMappedHost, on_device, 0);
+    wb.writeback_rows = 1000;
+    wb.moved_bytes = 1000 * 4096;
+    wb.mapped_span = Call::kHostWriteMinSpan;
+    return wb;
+  };
+  for (bool on_device : {true, false}) {
+    const auto wb = lone_writeback(on_device);
+    REQUIRE(route(wb) == Path::kHostStaged);
+    REQUIRE(speedtorch_ops::route::reads_index_on_host(route(wb)));
+    auto narrower = wb;
+    narrower.mapped_span = Call::kHostWriteMinSpan - 1;
+    REQUIRE(route(narrower) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    narrower.host_write_min_span = 1 << 20;  // the test hook's lower threshold
+    REQUIRE(route(narrower) == Path::kHostStaged);
+    auto with_load = wb;  // a swap keeps its split (or zero-copy)
+    with_load.load_rows = 1000;
+    REQUIRE(route(with_load) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    auto forced_whole = wb;
+    forced_whole.hybrid_share = 1.0;  // the share hook's "zero-copy alone"
+    REQUIRE(route(forced_whole) == Path::kZeroCopySorted);
+  }
+  // A CUDA index that must not wait, or is being captured, or was sorted by the caller stays on
+  // the GPU; a CPU index waits anyway.
+  const auto wb = lone_writeback(true);
+  auto no_wait = wb;
+  no_wait.may_wait = false;
+  REQUIRE(route(no_wait) == Path::kZeroCopySorted);
+  auto capturing = wb;
+  capturing.capturing = true;
+  REQUIRE(route(capturing) == Path::kZeroCopySorted);
+  auto presorted = wb;
+  presorted.presorted = true;
+  REQUIRE(route(presorted) == Path::kZeroCopySorted);
+  auto cpu_no_wait = wb;
+  cpu_no_wait.index_on_device = false;
+  cpu_no_wait.may_wait = false;
+  REQUIRE(route(cpu_no_wait) == Path::kHostStaged);
+}
+
 TEST_CASE("route: a pageable table moves through the CPU side, whatever the index's device") {
   for (bool on_device : {true, false}) {
     const auto path = route(call(Memory::kPageableHost, on_device));
@@ -136,9 +190,9 @@ TEST_CASE("route: a CUDA index over a huge pinned table takes the hybrid path") 
   auto no_wait = huge;  // bounds_check='prechecked': the caller must not wait
   no_wait.may_wait = false;
   REQUIRE(route(no_wait) == Path::kZeroCopy);
-  auto writeback = huge;  // write-backs stay zero-copy
+  auto writeback = huge;  // with a write-back: zero-copy, sorted writes past 1 GiB
   writeback.writeback_rows = 1;
-  REQUIRE(route(writeback) == Path::kZeroCopy);
+  REQUIRE(route(writeback) == Path::kZeroCopySorted);
   auto small = call(Memory::kMappedHost, true, 10);  // 40 KiB: not worth a wait
   small.mapped_span = Call::kHybridMinSpan;
   REQUIRE(route(small) == Path::kZeroCopy);

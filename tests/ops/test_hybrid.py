@@ -298,7 +298,8 @@ def test_process_exits_cleanly_after_hybrid_calls():
 
 @pytest.fixture
 def huge_tables():
-    """Every pinned table counts as huge: CUDA indices over it take the hybrid path."""
+    """Every pinned table counts as huge: loads by a CUDA index take the hybrid path, and
+    write-backs alone go through the CPU (whatever the index's device)."""
     previous = _ops._set_hybrid_min_span.default(1)
     yield
     _ops._set_hybrid_min_span.default(previous)
@@ -307,8 +308,8 @@ def huge_tables():
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_cuda_index_over_a_huge_table(share, huge_tables, accumulate, gen):
     """A load by a CUDA index from a table past the span threshold comes to the host and moves
-    through the hybrid (write-backs stay zero-copy): the same rows as plain indexing, duplicates
-    resolved the same way."""
+    through the hybrid, and a write-back alone through the CPU: the same rows as plain
+    indexing, duplicates resolved the same way."""
     data = random_rows((2000, 33), torch.float32, gen)
     table = pinned(data)
     index = cpu_index(30000, 2000, gen).cuda()  # every row repeats ~15 times; 4 MB moved
@@ -324,9 +325,10 @@ def test_cuda_index_over_a_huge_table(share, huge_tables, accumulate, gen):
 
 @pytest.mark.parametrize("mode", ["deferred", "raise"])
 def test_cuda_index_over_a_huge_table_checks_on_the_host(huge_tables, mode, gen):
-    """A load's index is read on the host, so a bad one raises in the call, and a capture (which
-    cannot wait for the index) still takes the zero-copy kernels. ('prechecked' calls never
-    take that path: test_prechecked_loads_from_a_huge_table_do_not_wait.)"""
+    """A load's (or a lone write-back's) index is read on the host, so a bad one raises in the
+    call and nothing is written, and a capture (which cannot wait for the index) still takes
+    the zero-copy kernels. ('prechecked' calls never take that path:
+    test_prechecked_loads_from_a_huge_table_do_not_wait.)"""
     data = random_rows((2000, 33), torch.float32, gen)
     table = pinned(data)
     index = cpu_index(30000, 2000, gen)
@@ -336,6 +338,9 @@ def test_cuda_index_over_a_huge_table_checks_on_the_host(huge_tables, mode, gen)
         speedtorch_ops.pinned_gather_into(table, index.cuda(), out, bounds_check=mode)
     with pytest.raises(RuntimeError, match=r"load_index\[17000\] = 2000 is out of range"):
         speedtorch_ops.optimizer_state_swap([table], [out], None, index.cuda(), bounds_check=mode)
+    src = torch.ones(30000, 33, device="cuda")
+    with pytest.raises(RuntimeError, match=r"index\[17000\] = 2000 is out of range"):
+        speedtorch_ops.pinned_scatter(table, index.cuda(), src, bounds_check=mode)
     assert torch.equal(table, data) and not out.any()
     good = cpu_index(30000, 2000, gen).cuda()
     speedtorch_ops.pinned_gather_into(table, good, out)  # warm-up outside the capture

@@ -95,13 +95,54 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   sample.dma_end->block(cur);  // later work on cur follows the copies
 }
 
+// Writes the rows of `down` (staged in position order, chunk c landed once landed[c] has) into
+// the tables at `rows`: one pass over all of them, each CPU thread owning a range of table rows
+// and waiting for a chunk only when it reaches one of its positions there.
+void write_landed(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                  const at::Tensor& rows, Staging& down,
+                  const std::vector<at::cuda::CUDAEvent>& landed, int64_t chunk,
+                  bool accumulate) {
+  const ChunkReady ready = [&](int64_t c) { landed[c].synchronize(); };
+  for (const auto k : c10::irange(pairs.size())) {
+    auto table = tables[k];
+    scatter_rows_cpu(table, rows, down.rows(pairs, k, 0, rows.numel(), table), accumulate, chunk,
+                     &ready);
+  }
+}
+
+// Write-back through the CPU side alone (no zero-copy share): the batch rows come down in
+// position order straight from the batch, chunk by chunk on dma (no split, no scratch, no
+// upload), and are written as they land. The host waited for the call's start already.
+void writeback_on_host(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                       const at::Tensor& wb, bool accumulate, const c10::Device& device,
+                       const at::cuda::CUDAStream& cur, DeviceState& state, Sample& sample) {
+  const int64_t n = wb.numel();
+  const auto dma = dma_stream(device.index());
+  sample.start->block(dma);
+  Staging down(pairs, n, device, dma, state.down, /*scratch=*/false);
+  const int64_t chunk = chunk_rows(pairs);
+  std::vector<at::cuda::CUDAEvent> landed((n + chunk - 1) / chunk);
+  for (size_t c = 0; c < landed.size(); ++c) {
+    const int64_t b = static_cast<int64_t>(c) * chunk;
+    const int64_t len = std::min(chunk, n - b);
+    for (const auto k : c10::irange(pairs.size())) {
+      const int64_t rb = pairs[k].row_bytes;
+      C10_CUDA_CHECK(cudaMemcpyAsync(down.host_block(k) + b * rb, pairs[k].batch + b * rb,
+                                     len * rb, cudaMemcpyDeviceToHost, dma));
+    }
+    landed[c].record(dma);
+  }
+  write_landed(pairs, tables, wb, down, landed, chunk, accumulate);
+  sample.dma_end->record(dma);
+  sample.dma_end->block(cur);  // later work on cur (a write to the batch) follows the copies
+}
+
 // Write-back (and load): both indices split by row hash, so a row written back is loaded by
 // the side that wrote it.
 void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
                   const at::Tensor& wb, const std::optional<at::Tensor>& load, bool accumulate,
                   const c10::Device& device, const at::cuda::CUDAStream& cur, DeviceState& state,
                   Sample& sample, Clock::time_point t0) {
-  const int64_t min_rows = tables[0].size(0);
   const uint32_t threshold = hybrid::threshold_of(sample.share);
   // One upload buffer for the zero-copy rows and positions and the CPU side's positions.
   std::optional<Side> swb, sload;
@@ -150,7 +191,7 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   const hybrid::Split& w = swb->split;
   if (w.n_zc > 0) {
     DeviceIndex di(part(swb->at, w.n_zc), part(swb->at + w.n_zc, w.n_zc));
-    scatter_pairs(pairs, di, zero_copy_path(0), min_rows, tables[0], accumulate, v);
+    scatter_pairs(pairs, di, zero_copy_path(0), tables[0], accumulate, v);
   }
   zc_wb_done.record(cur);
   if (w.n_cpu > 0) {
@@ -172,17 +213,8 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   sample.zc_end->record(cur);
   sample.queued_ms = ms_since(t0);
 
-  // 2. The CPU side of the write-back, each chunk as it lands.
-  for (size_t c = 0; c < landed.size(); ++c) {
-    const int64_t b = static_cast<int64_t>(c) * chunk;
-    const int64_t len = std::min(chunk, w.n_cpu - b);
-    landed[c].synchronize();
-    const auto rows = swb->cpu_rows.narrow(0, b, len);
-    for (const auto k : c10::irange(pairs.size())) {
-      auto table = tables[k];
-      scatter_rows_cpu(table, rows, down->rows(pairs, k, b, len, table), accumulate);
-    }
-  }
+  // 2. The CPU side of the write-back, written as its chunks land.
+  if (w.n_cpu > 0) write_landed(pairs, tables, swb->cpu_rows, *down, landed, chunk, accumulate);
 
   // 3. The CPU side of the load: each chunk gathered into staging and copied up while the next
   // is gathered; one launch moves the rows into the batch once the zero-copy write-back (which
@@ -247,7 +279,10 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
                 std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
                 n_wb + n_load};
-  if (wb) {
+  if (wb && share == 0.0) {
+    writeback_on_host(pairs, tables, *wb, accumulate, device, cur, state, sample);
+    if (load) load_by_position(pairs, tables, *load, device, cur, state, sample);
+  } else if (wb) {
     split_by_row(pairs, tables, *wb, load, accumulate, device, cur, state, sample, t0);
   } else {
     load_by_position(pairs, tables, *load, device, cur, state, sample);

@@ -119,7 +119,7 @@ void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch
       t.set(k, to_batch ? batch : block, to_batch ? block : batch, pairs[first + k].row_bytes);
     }
     C10_CUDA_CHECK(cuda::launch_copy_rows(t, to_batch ? pos : nullptr, to_batch ? nullptr : pos, n,
-                                          false, nullptr, v.status(), v.grid(), stream));
+                                          false, cuda::LastOf{}, v.status(), v.grid(), stream));
   }
 }
 

@@ -16,7 +16,7 @@ namespace speedtorch_ops::cuda_impl {
 namespace {
 
 std::atomic<double> g_fixed_share{-1.0};
-std::atomic<int64_t> g_min_span{route::Call::kHybridMinSpan};
+std::atomic<int64_t> g_min_span{0};  // the test hook; 0: the defaults
 
 int log2_bucket(int64_t v) {
   int b = 0;
@@ -95,11 +95,19 @@ double set_hybrid_share(double share) {
   return g_fixed_share.exchange(share);
 }
 
-int64_t hybrid_min_span() { return g_min_span.load(); }
+int64_t hybrid_min_span() {
+  const int64_t hook = g_min_span.load();
+  return hook > 0 ? hook : route::Call::kHybridMinSpan;
+}
+
+int64_t host_write_min_span() {
+  const int64_t hook = g_min_span.load();
+  return hook > 0 ? hook : route::Call::kHostWriteMinSpan;
+}
 
 int64_t set_hybrid_min_span(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0, "bytes must be >= 0 (0 restores the default), got ", bytes);
-  return g_min_span.exchange(bytes > 0 ? bytes : route::Call::kHybridMinSpan);
+  TORCH_CHECK(bytes >= 0, "bytes must be >= 0 (0 restores the defaults), got ", bytes);
+  return g_min_span.exchange(bytes);
 }
 
 }  // namespace speedtorch_ops::cuda_impl

@@ -47,7 +47,12 @@ double set_hybrid_share(double share);
 // (route::Call::kHybridMinSpan unless a test set another).
 int64_t hybrid_min_span();
 
-// @brief Sets it (bytes > 0; 0 restores the default); returns the previous setting.
+// @brief The table span from which write-backs into host-mapped tables go through the CPU
+// (route::Call::kHostWriteMinSpan unless a test set another).
+int64_t host_write_min_span();
+
+// @brief The test hook: both spans above become `bytes` (> 0; 0 restores the defaults).
+// Returns the previous setting (0: the defaults).
 int64_t set_hybrid_min_span(int64_t bytes);
 
 }  // namespace speedtorch_ops::cuda_impl

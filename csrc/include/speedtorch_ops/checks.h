@@ -8,6 +8,7 @@
 #include <c10/util/string_view.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace speedtorch_ops {
@@ -75,6 +76,12 @@ void check_scatter_args(const at::Tensor& table, const at::Tensor& index, const 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate);
+// The same, with src's rows arriving in chunks of `chunk` positions: ready(c) returns once
+// rows [c * chunk, (c + 1) * chunk) may be read. It is called from the CPU threads, each
+// asking for rising chunks, so rows that have landed are written while the rest arrive.
+using ChunkReady = std::function<void(int64_t)>;
+void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
+                      bool accumulate, int64_t chunk, const ChunkReady* ready);
 
 // Kernels, named <op>_<device>, with the schema's signature.
 at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index,
