@@ -317,7 +317,7 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
   });
 }
 
-int64_t last_of_entries(int64_t n) {
+static int64_t last_of_entries(int64_t n) {
   int64_t cap = 1;
   while (cap < 2 * n) cap <<= 1;
   return cap;

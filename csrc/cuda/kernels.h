@@ -98,7 +98,10 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
 // about 2n to 4n entries plus one int32 per position: independent of the table's size).
 int64_t last_of_bytes(int64_t n);
 
-// Marks the last position of each distinct row of idx[0, n) (n < 2^31) in `scratch`
+// The most positions launch_mark_last takes (its hash's entries are numbered in int32).
+constexpr int64_t kLastOfMaxRows = int64_t{1} << 30;
+
+// Marks the last position of each distinct row of idx[0, n) (n <= kLastOfMaxRows) in `scratch`
 // (last_of_bytes(n), any contents: zeroed here), so a scatter lets the last duplicate win
 // without a sort; sets *last_of for launch_copy_rows. A memset and one kernel.
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, void* scratch, const int64_t* status,

@@ -142,7 +142,7 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
     return;
   }
   if (path != route::Path::kZeroCopySorted && index.slots() == nullptr &&
-      index.limit() == nullptr && n < std::numeric_limits<int32_t>::max()) {
+      index.limit() == nullptr && n <= cuda::kLastOfMaxRows) {
     const auto& rows = index.rows();
     auto scratch = at::empty({cuda::last_of_bytes(n)}, rows.options().dtype(at::kByte));
     cuda::LastOf last_of;
