@@ -83,12 +83,7 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
         auto out = staging.rows(pairs, k, b, len, tables[k]);
         gather_rows_cpu(tables[k], rows, out);
       }
-      for (const auto k : c10::irange(pairs.size())) {
-        const int64_t rb = pairs[k].row_bytes;
-        C10_CUDA_CHECK(cudaMemcpyAsync(pairs[k].batch + (z + b) * rb,
-                                       staging.host_block(k) + b * rb, len * rb,
-                                       cudaMemcpyHostToDevice, dma));
-      }
+      staging.copy_batch(pairs, b, len, z + b, /*to_batch=*/true, dma);
     }
   }
   sample.dma_end->record(dma);
@@ -124,12 +119,7 @@ void writeback_on_host(const std::vector<Pair>& pairs, const std::vector<at::Ten
   std::vector<at::cuda::CUDAEvent> landed((n + chunk - 1) / chunk);
   for (size_t c = 0; c < landed.size(); ++c) {
     const int64_t b = static_cast<int64_t>(c) * chunk;
-    const int64_t len = std::min(chunk, n - b);
-    for (const auto k : c10::irange(pairs.size())) {
-      const int64_t rb = pairs[k].row_bytes;
-      C10_CUDA_CHECK(cudaMemcpyAsync(down.host_block(k) + b * rb, pairs[k].batch + b * rb,
-                                     len * rb, cudaMemcpyDeviceToHost, dma));
-    }
+    down.copy_batch(pairs, b, std::min(chunk, n - b), b, /*to_batch=*/false, dma);
     landed[c].record(dma);
   }
   write_landed(pairs, tables, wb, down, landed, chunk, accumulate);

@@ -107,6 +107,18 @@ void Staging::copy_chunk(const std::vector<Pair>& pairs, int64_t b, int64_t len,
   }
 }
 
+void Staging::copy_batch(const std::vector<Pair>& pairs, int64_t b, int64_t len, int64_t at,
+                         bool to_batch, const at::cuda::CUDAStream& stream) {
+  for (const auto k : c10::irange(pairs.size())) {
+    const int64_t rb = pairs[k].row_bytes;
+    char* batch = pairs[k].batch + at * rb;
+    char* host = host_block(k) + b * rb;
+    C10_CUDA_CHECK(cudaMemcpyAsync(to_batch ? batch : host, to_batch ? host : batch, len * rb,
+                                   to_batch ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+                                   stream));
+  }
+}
+
 void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch,
                  const int64_t* pos, int64_t n, const Validation& v,
                  const at::cuda::CUDAStream& stream) {

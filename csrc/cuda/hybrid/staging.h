@@ -45,7 +45,6 @@ class Staging {
           const at::cuda::CUDAStream& dma, at::Tensor& arena, bool scratch = true);
 
   char* device_block(size_t k);
-  char* host_block(size_t k);
 
   // @brief Rows [b, b + len) of table k in the host staging, shaped like `like`'s rows.
   at::Tensor rows(const std::vector<Pair>& pairs, size_t k, int64_t b, int64_t len,
@@ -55,7 +54,14 @@ class Staging {
   void copy_chunk(const std::vector<Pair>& pairs, int64_t b, int64_t len, cudaMemcpyKind kind,
                   const at::cuda::CUDAStream& stream);
 
+  // @brief Copies rows [b, b + len) of every table's host staging to (to_batch) or from its
+  // batch rows [at, at + len), with no scratch in between.
+  void copy_batch(const std::vector<Pair>& pairs, int64_t b, int64_t len, int64_t at,
+                  bool to_batch, const at::cuda::CUDAStream& stream);
+
  private:
+  char* host_block(size_t k);
+
   std::vector<int64_t> offset_;
   at::Tensor scratch_, host_;
 };
