@@ -115,6 +115,27 @@ def timeline(prof) -> list:
              "count": r[4]} for r in rows]
 
 
+def gaps(prof, steps: int, top: int = 12) -> dict:
+    """The GPU's idle spans between the first and the last kernel of the profiled steps: the
+    longest, each with the work that ended just before it and the work that started after
+    (what the GPU waited for: the host's next launch, or work on another stream), and how the
+    idle time adds up by the work that ended it."""
+    work = sorted(gpu_work(prof), key=lambda e: e["ts"])
+    spans, end, before = [], None, None
+    for e in work:
+        if end is not None and e["ts"] - end > 2.0:
+            spans.append((e["ts"] - end, before, short_name(e["name"])))
+        if end is None or e["ts"] + e["dur"] > end:
+            end, before = e["ts"] + e["dur"], short_name(e["name"])
+    by_next = collections.Counter()
+    for span, _, after in spans:
+        by_next[after] += span / steps
+    longest = sorted(spans, key=lambda g: -g[0])[:top]
+    return {"idle_over_2us_per_step": sum(g[0] for g in spans) / steps,
+            "by_next_us_per_step": dict(by_next.most_common(top)),
+            "longest": [{"us": round(g[0], 1), "previous": g[1], "next": g[2]} for g in longest]}
+
+
 def short_name(name: str) -> str:
     """A kernel's name without template arguments and namespaces."""
     base = re.sub(r"<.*", "", name.split("(")[0])
@@ -185,6 +206,8 @@ def main() -> None:
                         "the prefetch's, HostRows.ahead_sms); default the stores'")
     p.add_argument("--write-sms", type=int, default=None,
                    help="the SM cap of the stores' write-backs (write_sms); default the stores'")
+    p.add_argument("--admission", choices=["frequency", "always"], default=None,
+                   help="the caches' admission rule; default the stores'")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -208,6 +231,8 @@ def main() -> None:
                         a.lane_sms)
             if a.write_sms is not None:
                 emb.store.write_sms = a.write_sms
+            if a.admission is not None and hasattr(emb.store, "admission"):
+                emb.store.admission = a.admission
         return run
 
     # Captured: the step as the demo runs it.
@@ -226,6 +251,7 @@ def main() -> None:
     result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
     result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
     result["graph_streams"], result["graph_overlap"] = streams_table(prof, a.steps)
+    result["graph_gaps"] = gaps(prof, a.steps)
     # One replay alone (the GPU idle before and after it), kernel by kernel.
     steps(run, a.warmup + 50 + a.steps, 2)
     torch.cuda.synchronize()

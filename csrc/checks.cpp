@@ -250,6 +250,21 @@ void check_one_int64(const at::Tensor& t, const char* name, const at::Tensor& li
   check_same_device(t, name, like, like_name);
 }
 
+// (parts, rows, ...) with each part's rows one after another and parts apart by stride(0) (a
+// view of a cache's first slots is one); parts that overlap would race.
+void check_rows_layout(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 2, name, " must have at least 2 dimensions (parts, rows, ...), got "
+              "shape ", t.sizes());
+  int64_t step = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == step, name,
+                " must be contiguous within each part (dims 1 on), got strides ", t.strides());
+    step *= t.size(d);
+  }
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) >= step, name,
+              " must not have overlapping parts, got strides ", t.strides());
+}
+
 }  // namespace
 
 void check_items(const at::Tensor& t, const char* name) {
@@ -309,6 +324,29 @@ void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
               victims.numel(), " and ", admit.numel());
   TORCH_CHECK(first.numel() <= at.numel(), "first must not be longer than at (", at.numel(),
               "), got ", first.numel());
+}
+
+void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                          const at::Tensor& count, bool take) {
+  const char* dst_name = take ? "out" : "dst";
+  check_rows_layout(dst, dst_name);
+  check_rows_layout(src, "src");
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "src must have ", dst_name, "'s dtype ",
+              dst.scalar_type(), ", got ", src.scalar_type());
+  check_same_device(src, "src", dst, dst_name);
+  TORCH_CHECK(src.size(0) == dst.size(0) && src.sizes().slice(2) == dst.sizes().slice(2),
+              "src must have ", dst_name, "'s parts and row shape (dims 0 and 2 on), got ",
+              src.sizes(), " and ", dst.sizes());
+  check_vector(index, "index", at::kLong);
+  check_same_device(index, "index", dst, dst_name);
+  check_one_int64(count, "count", index, "index");
+  const auto& positions = take ? dst : src;
+  TORCH_CHECK(index.numel() <= positions.size(1), "index must have at most ",
+              take ? "out" : "src", "'s ", positions.size(1), " rows (one entry a position), got ",
+              index.numel());
+  check_no_overlap(dst, dst_name, src, "src");
+  check_no_overlap(dst, dst_name, index, "index");
+  check_no_overlap(dst, dst_name, count, "count");
 }
 
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period) {

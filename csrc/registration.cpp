@@ -76,6 +76,13 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // it leaves the map. Victims distinct slots, the admitted rows distinct and not cached.
   m.def("_cache_admit(Tensor(a!) slot_of, Tensor(b!) id_of, Tensor ids, Tensor at, "
         "Tensor first, Tensor victims, Tensor admit) -> Tensor");
+  // Rows between a row cache's slots and a step's buffer, tensors (parts, rows, ...): for
+  // i < min(len(index), count) whose index[i] is a row of the slots' tensor, out[:, i] =
+  // src[:, index[i]] (take), or dst[:, index[i]] = src[:, i] (put); other entries (-1, the
+  // scratch slot past a view of the slots) move nothing. Unlike index_select / index_copy_,
+  // only the rows that move are read and written. put's index entries must be distinct.
+  m.def("_take_rows(Tensor(a!) out, Tensor src, Tensor index, Tensor count) -> ()");
+  m.def("_put_rows(Tensor(a!) dst, Tensor src, Tensor index, Tensor count) -> ()");
   // age += 1; when age reaches a multiple of period, every freq halves (LFU aging decided on
   // the device, so a captured step ages too).
   m.def("_age_frequencies(Tensor(a!) freq, Tensor(b!) age, int period) -> ()");

@@ -174,6 +174,20 @@ def _cache_admit(slot_of: Tensor, id_of: Tensor, ids: Tensor, at: Tensor, first:
     return _ops._cache_admit.default(slot_of, id_of, ids, at, first, victims, admit)
 
 
+def _take_rows(out: Tensor, src: Tensor, index: Tensor, count: Tensor) -> None:
+    """``out[:, i] = src[:, index[i]]`` (tensors (parts, rows, ...)) for the first ``count`` (one
+    int64) positions whose ``index[i]`` is a row of ``src``; other entries (-1, or a scratch
+    slot past a view of a cache's slots) leave ``out[:, i]`` as it was. In place; only the rows
+    that move are read and written."""
+    _ops._take_rows.default(out, src, index, count)
+
+
+def _put_rows(dst: Tensor, src: Tensor, index: Tensor, count: Tensor) -> None:
+    """``dst[:, index[i]] = src[:, i]`` for the first ``count`` positions whose ``index[i]`` is a
+    row of ``dst`` (distinct entries); the others move nothing. In place."""
+    _ops._put_rows.default(dst, src, index, count)
+
+
 def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
     """``age += 1`` (one int64) and, when it reaches a multiple of ``period``, ``freq`` halves;
     in place, decided on the device."""
@@ -323,6 +337,24 @@ def _cache_admit_fake(slot_of, id_of, ids, at, first, victims, admit):
     torch._check(first.shape == victims.shape == admit.shape,
                  lambda: "first, victims and admit must have one length")
     return torch.empty_like(at)
+
+
+def _move_rows_fake(dst, src, index, count, positions) -> None:
+    torch._check(dst.dim() >= 2 and src.dim() >= 2 and dst.shape[0] == src.shape[0]
+                 and dst.shape[2:] == src.shape[2:],
+                 lambda: "src must have the other tensor's parts and row shape")
+    torch._check(index.dim() == 1 and index.shape[0] <= positions.shape[1],
+                 lambda: "index must have at most one entry a position")
+
+
+@torch.library.register_fake("speedtorch_ops::_take_rows")
+def _take_rows_fake(out, src, index, count) -> None:
+    _move_rows_fake(out, src, index, count, out)
+
+
+@torch.library.register_fake("speedtorch_ops::_put_rows")
+def _put_rows_fake(dst, src, index, count) -> None:
+    _move_rows_fake(dst, src, index, count, src)
 
 
 @torch.library.register_fake("speedtorch_ops::_age_frequencies")

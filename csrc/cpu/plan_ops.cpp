@@ -1,12 +1,16 @@
 // CPU kernels of the planning ops (registration.cpp has their contracts). Each is one pass in
-// order over a step's ids (a scan: the positions depend on everything before them).
+// order over a step's ids (a scan: the positions depend on everything before them), but the
+// row moves, whose rows are independent.
 #include "speedtorch_ops/checks.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -158,6 +162,43 @@ at::Tensor cache_admit_cpu(at::Tensor& slot_of, at::Tensor& id_of, const at::Ten
   return dest;
 }
 
+// The rows of i < min(len(index), count) whose index[i] is a row of the slots' tensor, each
+// part one memcpy (take: out[:, i] = src[:, index[i]]; put: dst[:, index[i]] = src[:, i]).
+void move_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                   const at::Tensor& count, bool take) {
+  check_move_rows_args(dst, src, index, count, take);
+  const int64_t n = std::min(index.numel(), std::max<int64_t>(count.item<int64_t>(), 0));
+  const int64_t parts = dst.size(0);
+  if (n == 0 || parts == 0) return;
+  const int64_t item = dst.element_size();
+  const int64_t row = c10::multiply_integers(dst.sizes().slice(2)) * item;
+  const int64_t dst_part = dst.stride(0) * item, src_part = src.stride(0) * item;
+  const int64_t slots = take ? src.size(1) : dst.size(1);
+  auto* out = static_cast<char*>(dst.mutable_data_ptr());
+  const auto* in = static_cast<const char*>(src.const_data_ptr());
+  const int64_t* idx = index.const_data_ptr<int64_t>();
+  at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t j = idx[i];
+      if (j < 0 || j >= slots) continue;  // the scratch slot, -1: nothing moves
+      const int64_t to = take ? i : j, from = take ? j : i;
+      for (int64_t k = 0; k < parts; ++k) {
+        std::memcpy(out + k * dst_part + to * row, in + k * src_part + from * row, row);
+      }
+    }
+  });
+}
+
+void take_rows_cpu(at::Tensor& out, const at::Tensor& src, const at::Tensor& index,
+                   const at::Tensor& count) {
+  move_rows_cpu(out, src, index, count, /*take=*/true);
+}
+
+void put_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                  const at::Tensor& count) {
+  move_rows_cpu(dst, src, index, count, /*take=*/false);
+}
+
 void age_frequencies_cpu(at::Tensor& freq, at::Tensor& age, int64_t period) {
   check_age_args(freq, age, period);
   int64_t* steps = age.mutable_data_ptr<int64_t>();
@@ -174,6 +215,8 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
   m.impl("_coldest_slots", &coldest_slots_cpu);
   m.impl("_admission", &admission_cpu);
   m.impl("_cache_admit", &cache_admit_cpu);
+  m.impl("_take_rows", &take_rows_cpu);
+  m.impl("_put_rows", &put_rows_cpu);
   m.impl("_age_frequencies", &age_frequencies_cpu);
 }
 

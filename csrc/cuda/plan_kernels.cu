@@ -135,6 +135,42 @@ __global__ void cache_admit_kernel(int32_t* slot_of, int64_t rows, int64_t* id_o
   });
 }
 
+// One warp a (position, part) pair, its lanes striding over the row in V-sized pieces: a
+// 512-byte row of uint4 is one load and one store per lane. Positions past the count, and
+// entries that name no slot, return at once.
+template <class V>
+__global__ void move_rows_kernel(V* dst, int64_t dst_part, const V* src, int64_t src_part,
+                                 int64_t slots, int64_t row, int64_t parts,
+                                 const int64_t* index, const int64_t* count, int64_t n,
+                                 bool take) {
+  const int64_t m = min(n, max(*count, int64_t{0}));
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t{gridDim.x} * blockDim.x) >> 5;
+  for (int64_t t = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >> 5; t < m * parts;
+       t += warps) {
+    const int64_t i = t / parts, k = t - i * parts;
+    const int64_t j = index[i];
+    if (j < 0 || j >= slots) continue;
+    V* to = dst + k * dst_part + (take ? i : j) * row;
+    const V* from = src + k * src_part + (take ? j : i) * row;
+    for (int64_t e = lane; e < row; e += 32) to[e] = from[e];
+  }
+}
+
+template <class V>
+cudaError_t launch_move_rows_as(void* dst, int64_t dst_part, const void* src, int64_t src_part,
+                                int64_t slots, int64_t row_bytes, int64_t parts,
+                                const int64_t* index, const int64_t* count, int64_t n, bool take,
+                                cudaStream_t stream) {
+  constexpr int64_t kWarpsPerBlock = kThreads / 32;
+  const int64_t blocks = std::min<int64_t>((n * parts + kWarpsPerBlock - 1) / kWarpsPerBlock, 4096);
+  move_rows_kernel<V><<<static_cast<int>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream>>>(
+      static_cast<V*>(dst), dst_part / int64_t{sizeof(V)}, static_cast<const V*>(src),
+      src_part / int64_t{sizeof(V)}, slots, row_bytes / int64_t{sizeof(V)}, parts, index, count,
+      n, take);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
@@ -229,6 +265,28 @@ cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, i
   cache_admit_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(slot_of, rows, id_of, slots, ids, n,
                                                              first, victims, admit, k, dest);
   return cudaGetLastError();
+}
+
+cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, const void* src,
+                             int64_t src_part_bytes, int64_t slots, int64_t row_bytes,
+                             int64_t parts, const int64_t* index, const int64_t* count, int64_t n,
+                             bool take, cudaStream_t stream) {
+  if (n == 0 || parts == 0 || row_bytes == 0) return cudaSuccess;
+  // The widest piece that every address and stride is a multiple of.
+  const auto fits = [&](int64_t size) {
+    return reinterpret_cast<uintptr_t>(dst) % size == 0 &&
+           reinterpret_cast<uintptr_t>(src) % size == 0 && dst_part_bytes % size == 0 &&
+           src_part_bytes % size == 0 && row_bytes % size == 0;
+  };
+  const auto go = [&](auto piece) {
+    return launch_move_rows_as<decltype(piece)>(dst, dst_part_bytes, src, src_part_bytes, slots,
+                                                row_bytes, parts, index, count, n, take, stream);
+  };
+  if (fits(16)) return go(uint4{});
+  if (fits(8)) return go(uint2{});
+  if (fits(4)) return go(uint32_t{});
+  if (fits(2)) return go(uint16_t{});
+  return go(uint8_t{});
 }
 
 cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream) {

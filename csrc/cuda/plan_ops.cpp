@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -149,6 +150,28 @@ at::Tensor cache_admit_cuda(at::Tensor& slot_of, at::Tensor& id_of, const at::Te
   return dest;
 }
 
+void move_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                    const at::Tensor& count, bool take) {
+  check_move_rows_args(dst, src, index, count, take);
+  const c10::cuda::CUDAGuard guard(dst.device());
+  const int64_t item = dst.element_size();
+  C10_CUDA_CHECK(cuda::launch_move_rows(
+      dst.mutable_data_ptr(), dst.stride(0) * item, src.const_data_ptr(), src.stride(0) * item,
+      take ? src.size(1) : dst.size(1), c10::multiply_integers(dst.sizes().slice(2)) * item,
+      dst.size(0), index.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(),
+      index.numel(), take, stream_of(dst)));
+}
+
+void take_rows_cuda(at::Tensor& out, const at::Tensor& src, const at::Tensor& index,
+                    const at::Tensor& count) {
+  move_rows_cuda(out, src, index, count, /*take=*/true);
+}
+
+void put_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                   const at::Tensor& count) {
+  move_rows_cuda(dst, src, index, count, /*take=*/false);
+}
+
 void age_frequencies_cuda(at::Tensor& freq, at::Tensor& age, int64_t period) {
   check_age_args(freq, age, period);
   const c10::cuda::CUDAGuard guard(freq.device());
@@ -166,6 +189,8 @@ TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
   m.impl("_coldest_slots", &coldest_slots_cuda);
   m.impl("_admission", &admission_cuda);
   m.impl("_cache_admit", &cache_admit_cuda);
+  m.impl("_take_rows", &take_rows_cuda);
+  m.impl("_put_rows", &put_rows_cuda);
   m.impl("_age_frequencies", &age_frequencies_cuda);
 }
 

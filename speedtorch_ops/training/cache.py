@@ -9,8 +9,9 @@ shapes fixed by the batch size, so the host never waits for the GPU: row counts 
 the device travel to the transfer kernels as ``count`` tensors.
 
 The cache (``CachedRows``):
-- ``slots`` rows of (parts, *row) on the GPU, plus one scratch slot that absorbs the writes of
-  entries that do nothing (fixed shapes: no compaction on the host);
+- ``slots`` rows of (parts, *row) on the GPU; a step's entries that hold no slot (misses,
+  padding) name slot number ``slots``, past the cache, and the row moves skip them (fixed
+  shapes: no compaction on the host);
 - a direct map ``slot_of`` (table row -> slot, -1 when not cached) and each slot's row ``id_of``;
 - access frequencies ``freq`` of every table row (LFU), halved every ``aging_steps`` steps so the
   cache follows a drifting distribution;
@@ -92,24 +93,6 @@ class Distinct:
         self.ids, self.inverse, self.count = ops._distinct(index, max(rows, 1))
         self.positions = torch.arange(self.n, device=index.device)
         self.valid = self.positions < self.count
-
-
-def _wide(*tensors: Tensor) -> tuple:
-    """`tensors` (contiguous, of one dtype and row shape, rows along dim 0) viewed with the
-    widest element (up to 16 bytes) that divides a row and fits every tensor's offset: torch's
-    index and where kernels then move 16-byte elements where they moved 4-byte ones (the
-    cache's row copies ran at a third of the GPU's bandwidth). Unchanged where none fits."""
-    first = tensors[0]
-    if first.dim() < 2:
-        return tensors
-    item = first.element_size()
-    row_bytes = first.shape[-1] * item
-    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if size > item and row_bytes % size == 0 and all(
-                t.is_contiguous() and t.storage_offset() * item % size == 0 for t in tensors):
-            return tuple(t.view(dtype) for t in tensors)
-    return tensors
 
 
 def _among(ids: Tensor, of: "Distinct") -> Tensor:
@@ -214,10 +197,8 @@ class HostRows:
             return None
         if carry.ids.numel() == d.n:
             take = miss & carry.loaded & (carry.ids == d.ids)
-            keep = take.view(-1, *[1] * len(self.row_shape))
-            for part, rows in zip(carry.buf, buf):
-                src, dst = _wide(part, rows)
-                torch.where(keep, src, dst, out=dst)
+            # Only the carried rows move (a where over every position moved all of them).
+            ops._take_rows(buf, carry.buf, torch.where(take, d.positions, -1), d.count)
             self.stats[5] += take.sum()
         carry.loaded.zero_()
         return take
@@ -390,7 +371,7 @@ class CachedRows(HostRows):
         rows = host.shape[0]
         self.slots = slots
         self.aging_steps = aging_steps
-        self.cache = torch.zeros((self.parts, slots + 1, *self.row_shape), dtype=host.dtype,
+        self.cache = torch.zeros((self.parts, slots, *self.row_shape), dtype=host.dtype,
                                  device=self.device)
         self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=self.device)
         self.id_of = torch.full((slots + 1,), -1, dtype=torch.int64, device=self.device)
@@ -424,10 +405,9 @@ class CachedRows(HostRows):
     def stage(self, plan: Plan) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
-        n, scratch = d.n, self.slots
-        # Hits from the cache (every other entry reads the scratch slot), misses from the host
-        # or the carry; the lookup counts each id's use.
-        at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, scratch)
+        # Hits from the cache (every other entry names the slot past its end), misses from the
+        # host or the carry; the lookup counts each id's use.
+        at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, self.slots)
         order, misses = ops._partition(miss)  # misses first, ascending
         self.stats[:3] += torch.cat([d.count, d.count - misses, misses])
         # On the lane, as soon as the lookup is done: the victims are chosen and their rows
@@ -440,9 +420,10 @@ class CachedRows(HostRows):
             victims = self._evict(d, at, order, misses)
             self._lane_done = self._lane_event()
         self._lane_uses = [d, at, order, misses, victims]
-        buf = self._buffer(n)
-        for part, rows in zip(self.cache, buf):  # dim 0 of each part: a fast gather
-            torch.index_select(part, 0, at, out=rows)
+        buf = self._buffer(d.n)
+        # The hits' rows only (a miss's `at` is past the cache), not every position as an
+        # index_select would.
+        ops._take_rows(buf, self.cache, at, d.count)
         # The misses no prefetch loaded, on this stream (it needs them next), capped like the
         # lane's loads: they share the link with the evictions. No row is in both: a miss is not
         # cached, an evicted row is.
@@ -496,12 +477,10 @@ class CachedRows(HostRows):
             self._lane_done = self._lane_event()
         self._lane_uses = [buf, rest_rows, back, rest_count]
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
-        # misses their victim's, the rest the scratch slot; one copy per part puts them all
-        # back.
+        # misses their victim's, the rest none (the slot past the cache: not moved); one call
+        # puts them all back.
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
-        for part, rows in zip(self.cache, buf):
-            into, staged = _wide(part, rows)
-            into.index_copy_(0, dest, staged)
+        ops._put_rows(self.cache, buf, dest, d.count)
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)

@@ -1,5 +1,5 @@
 """The planning ops of the row cache (_sort_ids, _distinct, _partition, _cache_lookup,
-_coldest_slots, _admission, _cache_admit, _age_frequencies) against plain PyTorch/NumPy references on fresh random data, on the CPU and
+_coldest_slots, _admission, _cache_admit, _age_frequencies, _take_rows, _put_rows) against plain PyTorch/NumPy references on fresh random data, on the CPU and
 (on the GPU machine) on CUDA; their errors; opcheck."""
 
 import numpy as np
@@ -229,6 +229,62 @@ def test_age_frequencies_halves_every_period(device, period):
     assert torch.allclose(f.cpu().double(), want, rtol=1e-6, atol=0)
 
 
+# (row shape, dtype): 512-byte rows (16-byte pieces), 20 (4-byte), 6 (2-byte), 7 (bytes), and
+# rows of two dims.
+ROWS = [((128,), torch.float32), ((5,), torch.float32), ((3,), torch.float16),
+        ((7,), torch.int8), ((2, 8), torch.float64)]
+
+
+def random_rows(shape, dtype, g):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def move_case(parts, n, slots, row, dtype, count, seed):
+    """(slots tensor, positions tensor, index, count) on the CPU: a cache of `slots` rows plus a
+    scratch slot and `n` positions; index names each slot at most once, with -1, the scratch
+    slot and numbers past it among them."""
+    g = gen(seed)
+    cache = random_rows((parts, slots + 1, *row), dtype, g)
+    rows = random_rows((parts, n, *row), dtype, g)
+    index = torch.randperm(slots, generator=g)[:n]
+    index = torch.cat([index, torch.zeros(n - index.numel(), dtype=torch.int64)])
+    odd = torch.rand(n, generator=g)
+    index[odd < 0.15] = -1
+    index[(odd >= 0.15) & (odd < 0.3)] = slots  # the scratch slot: past the view of the slots
+    index[(odd >= 0.3) & (odd < 0.35)] = slots + 7
+    return cache, rows, index, torch.tensor([count])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("row,dtype", ROWS)
+@pytest.mark.parametrize("parts,n,count", [(3, 1000, 1000), (1, 1000, 617), (2, 50, 80),
+                                           (3, 50, 0), (3, 0, 0), (1, 7, 7)])
+@pytest.mark.parametrize("take", [True, False], ids=["take", "put"])
+def test_row_moves_match_indexing(device, row, dtype, parts, n, count, take):
+    """_take_rows / _put_rows against a loop of plain indexing; the slots given as a view of a
+    cache without its scratch slot, which must stay untouched."""
+    dev = device_of(device)
+    slots = 2 * n + 3
+    cache, rows, index, c = move_case(parts, n, slots, row, dtype, count,
+                                      n + parts + count + take)
+    want_cache, want_rows = cache.clone(), rows.clone()
+    for i in range(min(n, count)):
+        if 0 <= index[i] < slots:
+            if take:
+                want_rows[:, i] = cache[:, index[i]]
+            else:
+                want_cache[:, index[i]] = rows[:, i]
+    got_cache, got_rows = cache.to(dev), rows.to(dev)
+    if take:
+        ops._take_rows(got_rows, got_cache[:, :slots], index.to(dev), c.to(dev))
+    else:
+        ops._put_rows(got_cache[:, :slots], got_rows, index.to(dev), c.to(dev))
+    assert torch.equal(got_rows.cpu(), want_rows)
+    assert torch.equal(got_cache.cpu(), want_cache)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_arguments_are_named(device):
     dev = device_of(device)
@@ -237,6 +293,8 @@ def test_bad_arguments_are_named(device):
     freq = torch.zeros(5, device=dev)
     slot_of = torch.full((5,), -1, dtype=torch.int32, device=dev)
     one = torch.zeros(1, dtype=torch.int64, device=dev)
+    rows = torch.zeros(1, 3, 8, device=dev)
+    rows32 = torch.ones(1, 3, 8, device=dev)
     cases = [
         (lambda: ops._sort_ids(i32, 10), "keys must be Long"),
         (lambda: ops._sort_ids(i64.view(2, 2), 10), "keys must be 1-D"),
@@ -262,6 +320,22 @@ def test_bad_arguments_are_named(device):
          "first, victims and cold must have one length"),
         (lambda: ops._coldest_slots(i64, freq.cpu() if dev.type == "cuda" else freq.double(),
                                     i64, 2), "freq must be"),
+        (lambda: ops._take_rows(rows, rows32.double(), i64[:3], one), "src must have out's dtype"),
+        (lambda: ops._take_rows(rows, rows32.expand(2, 3, 8).contiguous(), i64[:3], one),
+         "src must have out's parts"),
+        (lambda: ops._put_rows(rows, rows32[:, :, :4].contiguous(), i64[:3], one),
+         "src must have dst's parts and row shape"),
+        (lambda: ops._take_rows(rows[0, 0], rows32[0, 0], i64[:3], one), "out must have at least 2"),
+        (lambda: ops._take_rows(rows, rows32, i64, one), "index must have at most out's 3"),
+        (lambda: ops._put_rows(rows, rows32, i64, one), "index must have at most src's 3"),
+        (lambda: ops._take_rows(rows, rows32, i32[:3], one), "index must be Long"),
+        (lambda: ops._take_rows(rows, rows32, i64[:3], i64), "count must be one int64"),
+        (lambda: ops._take_rows(rows.transpose(1, 2), rows32.transpose(1, 2), i64[:3], one),
+         "out must be contiguous within each part"),
+        (lambda: ops._take_rows(rows.expand(3, 3, 8), rows32.expand(3, 3, 8), i64[:3], one),
+         "out must not have overlapping parts"),
+        (lambda: ops._take_rows(rows[:, :2], rows[:, 1:], i64[:2], one),
+         "out and src"),
         (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
         (lambda: ops._age_frequencies(freq, one, 0), "period must be at least 1"),
     ]
@@ -269,10 +343,10 @@ def test_bad_arguments_are_named(device):
         cases.append((lambda: ops._cache_lookup(i64, one.cpu(), slot_of, freq, 3),
                       "count must be on ids's device"))
     for call, message in cases:
-        before = [t.clone() for t in (freq, slot_of, i64, one)]
+        before = [t.clone() for t in (freq, slot_of, i64, one, rows)]
         with pytest.raises(RuntimeError, match=message):
             call()
-        for t, b in zip((freq, slot_of, i64, one), before):
+        for t, b in zip((freq, slot_of, i64, one, rows), before):
             assert torch.equal(t, b)  # nothing written
 
 
@@ -302,6 +376,12 @@ def test_opcheck(device):
           torch.tensor([2, 1], device=dev), torch.tensor([True, False], device=dev))),
         (torch.ops.speedtorch_ops._age_frequencies.default,
          (freq, torch.tensor([2], device=dev), 3)),
+        (torch.ops.speedtorch_ops._take_rows.default,
+         (torch.zeros(2, 4, 3, device=dev), torch.rand(2, 5, 3, device=dev),
+          torch.tensor([4, -1, 0, 9], device=dev), torch.tensor([3], device=dev))),
+        (torch.ops.speedtorch_ops._put_rows.default,
+         (torch.zeros(2, 5, 3, device=dev), torch.rand(2, 4, 3, device=dev),
+          torch.tensor([4, -1, 0, 9], device=dev), torch.tensor([4], device=dev))),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -140,6 +140,12 @@ void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
 void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
                             const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
                             const at::Tensor& victims, const at::Tensor& admit);
+// _take_rows / _put_rows: dst (out) and src of one dtype, device, parts (dim 0) and row shape
+// (dims 2 on), each contiguous within a part, parts not overlapping; index 1-D int64 with at
+// most as many entries as the positions' tensor has rows (out's for take, src's for put), on
+// their device; count one int64 there; dst overlapping none of the others.
+void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
+                          const at::Tensor& count, bool take);
 // _age_frequencies: freq 1-D float32, age one int64, both contiguous on one device; period >= 1.
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period);
 
