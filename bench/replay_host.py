@@ -2,7 +2,7 @@
 prefetching step with host ids (checked, staged in pinned memory and copied each step) against
 the same replays fed with ids already on the GPU, and against replays of one batch; how long
 the host took to queue them; and the host time of each piece (a step, a replay, the input
-copies, the six uploads) with the GPU kept busy. Prints; run from the repository root:
+copies, the six uploads one by one and at once) with the GPU kept busy. Prints; run from the repository root:
 
     python3 bench/replay_host.py [--budget MiB] [skip-gram shape arguments]
 """
@@ -16,7 +16,7 @@ sys.path.insert(0, "bench")
 from _timing import host_while_busy  # noqa: E402
 from _workloads import add_skipgram_shape, skipgram_corpus  # noqa: E402
 from speedtorch_ops.demo.train import ModuleTraining  # noqa: E402
-from speedtorch_ops.training.placement import upload  # noqa: E402
+from speedtorch_ops.training.placement import upload, upload_all  # noqa: E402
 
 p = argparse.ArgumentParser()
 add_skipgram_shape(p)
@@ -90,7 +90,12 @@ def uploads(i):
         upload(torch.from_numpy(x), dev)
 
 
+def one_upload(i):
+    upload_all([torch.from_numpy(x) for x in (*batches[i], *batches[i + 1])], dev)
+
+
 busy("normal step", step)
 busy("replay", replay)
 busy("input copies", copies)
 busy("6 uploads", uploads)
+busy("upload of the 6 at once (a step's)", one_upload)

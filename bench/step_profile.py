@@ -115,12 +115,12 @@ def timeline(prof) -> list:
              "count": r[4]} for r in rows]
 
 
-def gaps(prof, steps: int, top: int = 12) -> dict:
+def gaps(work: list, steps: int, top: int = 12) -> dict:
     """The GPU's idle spans between the first and the last kernel of the profiled steps: the
     longest, each with the work that ended just before it and the work that started after
     (what the GPU waited for: the host's next launch, or work on another stream), and how the
     idle time adds up by the work that ended it."""
-    work = sorted(gpu_work(prof), key=lambda e: e["ts"])
+    work = sorted(work, key=lambda e: e["ts"])
     spans, end, before = [], None, None
     for e in work:
         if end is not None and e["ts"] - end > 2.0:
@@ -142,13 +142,13 @@ def short_name(name: str) -> str:
     return base.split("::")[-1][:48] or name[:48]
 
 
-def streams_table(prof, steps: int) -> list:
+def streams_table(work_events: list, steps: int) -> list:
     """Per CUDA stream: kernels (and copies, memsets) per step and the time they cover per
     step. The step's own stream carries the critical path; the others (the lanes and the
     prefetch) run beside it."""
     by = collections.defaultdict(list)
     work = []
-    for e in gpu_work(prof):
+    for e in work_events:
         by[e.get("args", {}).get("stream", -1)].append((e["ts"], e["ts"] + e["dur"]))
         work.append((e["ts"], e["ts"] + e["dur"], any(t in e.get("name", "") for t in TRANSFERS)))
     rows = [{"stream": s, "per_step": len(v) / steps, "busy_us_per_step": union_us(v) / steps}
@@ -250,8 +250,9 @@ def main() -> None:
         1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / a.steps
     result["graph_busy_us_per_step"] = busy_us(prof) / a.steps
     result["graph_kernels"] = kernel_table(prof, a.steps, a.top)
-    result["graph_streams"], result["graph_overlap"] = streams_table(prof, a.steps)
-    result["graph_gaps"] = gaps(prof, a.steps)
+    work = gpu_work(prof)
+    result["graph_streams"], result["graph_overlap"] = streams_table(work, a.steps)
+    result["graph_gaps"] = gaps(work, a.steps)
     # One replay alone (the GPU idle before and after it), kernel by kernel.
     steps(run, a.warmup + 50 + a.steps, 2)
     torch.cuda.synchronize()

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .training.placement import upload
+from .training.placement import upload_all
 from .training.plan import Plan, host_ids
 
 
@@ -61,6 +61,7 @@ class CapturedStep:
         self.calls = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._inputs: Optional[list] = None
+        self._flat: Optional[torch.Tensor] = None  # the inputs' one buffer
         self._outputs = None
         self._side = torch.cuda.Stream(self.device)
 
@@ -90,11 +91,12 @@ class CapturedStep:
             current = torch.cuda.current_stream(self.device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                result = self.step(*[upload(h, self.device) for h in host])
+                result = self.step(*upload_all(host, self.device)[1])
             current.wait_stream(self._side)
             return result
         if self.graph is None:
-            self._inputs = [upload(h, self.device) for h in host]
+            # One buffer for every input: each step's ids then cross in one copy.
+            self._flat, self._inputs = upload_all(host, self.device)
             graph = torch.cuda.CUDAGraph()
             # A pinned table freed during the capture unregisters its memory, a call that a
             # capture forbids: it invalidates the capture, which then fails at a later kernel
@@ -124,7 +126,6 @@ class CapturedStep:
                     gc.enable()
             self.graph = graph  # only a capture that finished is replayed
         else:
-            for h, into in zip(host, self._inputs):
-                upload(h, self.device, out=into)
+            upload_all(host, self.device, out=self._flat)
         self.graph.replay()
         return self._outputs

@@ -72,15 +72,30 @@ def upload(values: Tensor, device: torch.device, out: Optional[Tensor] = None) -
     Through pinned memory: a copy from pageable memory would wait for the whole stream."""
     if device.type == "cpu":
         return values if out is None else out.copy_(values)
-    staging = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    return upload_all([values], device, None if out is None else out.view(-1))[1][0]
+
+
+def upload_all(values: Sequence[Tensor], device: torch.device,
+               out: Optional[Tensor] = None) -> tuple:
+    """CPU tensors of one dtype on the GPU `device` in one copy, queued on the current stream:
+    (one flat buffer, views of it in their shapes). `out`: the flat buffer of an earlier call
+    with the same shapes, refilled. Several small uploads each cost the host a pinned
+    allocation and a launch, and the GPU a copy."""
+    sizes = [v.numel() for v in values]
+    staging = torch.empty(sum(sizes), dtype=values[0].dtype, pin_memory=True)
     # NumPy copies on this thread: torch's CPU copy wakes its thread pool, which cost about a
     # millisecond per upload while the GPU streams were busy.
-    np.copyto(staging.numpy(), values.numpy())
+    flat, at = staging.numpy(), 0
+    for v, n in zip(values, sizes):
+        np.copyto(flat[at:at + n], v.reshape(-1).numpy())
+        at += n
     if out is None:
-        return staging.to(device, non_blocking=True)
-    # The staging buffer is not reused before the copy ran (torch's pinned allocator records
-    # the copy's stream).
-    return out.copy_(staging, non_blocking=True)
+        out = staging.to(device, non_blocking=True)
+    else:
+        # The staging buffer is not reused before the copy ran (torch's pinned allocator
+        # records the copy's stream).
+        out.copy_(staging, non_blocking=True)
+    return out, [part.view(v.shape) for part, v in zip(out.split(sizes), values)]
 
 
 def check_loaded(name: str, loaded_shape, loaded_dtype, shape, dtype: torch.dtype) -> None:
