@@ -257,9 +257,9 @@ void check_rows_layout(const at::Tensor& t, const char* name) {
               "shape ", t.sizes());
   int64_t step = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {
-    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == step, name,
+    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == step, name,
                 " must be contiguous within each part (dims 1 on), got strides ", t.strides());
-    step *= t.size(d);
+    step *= std::max<int64_t>(t.size(d), 1);  // as torch's contiguity: empty dims count as 1
   }
   TORCH_CHECK(t.size(0) <= 1 || t.stride(0) >= step, name,
               " must not have overlapping parts, got strides ", t.strides());

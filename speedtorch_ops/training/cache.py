@@ -159,7 +159,9 @@ class HostRows:
                              bounds_check=_NO_WAIT, sms=sms)
 
     def stage(self, plan: Plan) -> tuple:
-        """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct)."""
+        """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct).
+        The rows past ``count`` are undefined (nothing reads them; an optimizer that reduces
+        over the whole buffer would see them)."""
         d = self._begin_stage(plan)
         buf = self._buffer(d.n)
         carried = self._take_carry(buf, d, d.valid)
@@ -479,7 +481,8 @@ class CachedRows(HostRows):
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
         # misses their victim's, the rest none (the slot past the cache: not moved); one call
         # puts them all back.
-        dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
+        dest = ops._cache_admit(self.slot_of, self.id_of[: self.slots], d.ids, at, first,
+                                victims, admit)
         ops._put_rows(self.cache, buf, dest, d.count)
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).

@@ -72,7 +72,9 @@ def upload(values: Tensor, device: torch.device, out: Optional[Tensor] = None) -
     Through pinned memory: a copy from pageable memory would wait for the whole stream."""
     if device.type == "cpu":
         return values if out is None else out.copy_(values)
-    return upload_all([values], device, None if out is None else out.view(-1))[1][0]
+    if out is None:
+        return upload_all([values], device)[1][0]
+    return out.copy_(upload_all([values], device)[1][0], non_blocking=True)
 
 
 def upload_all(values: Sequence[Tensor], device: torch.device,
@@ -81,8 +83,17 @@ def upload_all(values: Sequence[Tensor], device: torch.device,
     (one flat buffer, views of it in their shapes). `out`: the flat buffer of an earlier call
     with the same shapes, refilled. Several small uploads each cost the host a pinned
     allocation and a launch, and the GPU a copy."""
+    if not values:
+        return torch.empty(0, device=device), []
+    dtype = values[0].dtype
+    if any(v.dtype != dtype for v in values):
+        raise TypeError(f"upload_all: values must share one dtype, got "
+                        f"{sorted({str(v.dtype) for v in values})}")
     sizes = [v.numel() for v in values]
-    staging = torch.empty(sum(sizes), dtype=values[0].dtype, pin_memory=True)
+    if out is not None and (out.dim() != 1 or out.numel() != sum(sizes) or out.dtype != dtype):
+        raise ValueError(f"upload_all: out must be the 1-D {dtype} buffer of {sum(sizes)} "
+                         f"elements an earlier call returned, got {tuple(out.shape)} {out.dtype}")
+    staging = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
     # NumPy copies on this thread: torch's CPU copy wakes its thread pool, which cost about a
     # millisecond per upload while the GPU streams were busy.
     flat, at = staging.numpy(), 0

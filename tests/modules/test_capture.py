@@ -232,3 +232,27 @@ def test_a_step_failing_inside_the_capture_raises_its_own_error():
                           text=True, timeout=300)
     assert "raised: MemoryError the step's own error | graph: None" in done.stdout, (
         done.stdout + done.stderr)
+
+
+@cuda_only
+def test_upload_all_is_one_buffer_of_the_inputs(gen):
+    """A captured step's ids cross in one copy: views of one device buffer, refilled in place;
+    an empty list, mixed dtypes and a buffer of another size are refused or handled."""
+    from speedtorch_ops.training.placement import upload_all
+    values = [torch.randint(0, 99, shape, generator=gen) for shape in [(5, 4), (7,), (0,), (3, 2)]]
+    flat, views = upload_all(values, torch.device("cuda"))
+    assert flat.shape == (sum(v.numel() for v in values),) and flat.is_cuda
+    for v, w in zip(values, views):
+        assert w.shape == v.shape and torch.equal(w.cpu(), v)
+        assert w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    again = [torch.randint(0, 99, v.shape, generator=gen) for v in values]
+    same, views2 = upload_all(again, torch.device("cuda"), out=flat)
+    assert same is flat
+    for v, w in zip(again, views):  # the first call's views see the new ids
+        assert torch.equal(w.cpu(), v)
+    assert upload_all([], torch.device("cuda"))[1] == []
+    with pytest.raises(TypeError, match="one dtype"):
+        upload_all([values[0], values[1].int()], torch.device("cuda"))
+    with pytest.raises(ValueError, match="out must be the 1-D"):
+        upload_all(values, torch.device("cuda"), out=flat[1:])
+    assert torch.equal(flat.cpu(), torch.cat([v.reshape(-1) for v in again]))  # untouched

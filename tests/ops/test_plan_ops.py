@@ -229,10 +229,10 @@ def test_age_frequencies_halves_every_period(device, period):
     assert torch.allclose(f.cpu().double(), want, rtol=1e-6, atol=0)
 
 
-# (row shape, dtype): 512-byte rows (16-byte pieces), 20 (4-byte), 6 (2-byte), 7 (bytes), and
-# rows of two dims.
-ROWS = [((128,), torch.float32), ((5,), torch.float32), ((3,), torch.float16),
-        ((7,), torch.int8), ((2, 8), torch.float64)]
+# (row shape, dtype): 512-byte rows (16-byte pieces), 24 (8-byte), 20 (4-byte), 6 (2-byte),
+# 7 (bytes), and rows of two dims.
+ROWS = [((128,), torch.float32), ((3,), torch.float64), ((5,), torch.float32),
+        ((3,), torch.float16), ((7,), torch.int8), ((2, 8), torch.float64)]
 
 
 def random_rows(shape, dtype, g):
@@ -258,9 +258,44 @@ def move_case(parts, n, slots, row, dtype, count, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("take", [True, False], ids=["take", "put"])
+def test_row_moves_at_odd_addresses(device, take):
+    """Tensors one element off 16-byte alignment (a view past a table's first element), with
+    repeated take entries: the kernels move narrower pieces and every row still lands."""
+    dev = device_of(device)
+    g = gen(11 + take)
+    slots, n, d = 300, 2000, 8  # 32-byte rows, but the views start 4 bytes in
+    base_slots = torch.randn(2 * slots * d + 1, generator=g)
+    base_rows = torch.randn(2 * n * d + 1, generator=g)
+    cache = base_slots[1:].view(2, slots, d)
+    rows = base_rows[1:].view(2, n, d)
+    index = torch.randint(-1, slots, (n,), generator=g)  # repeats, and -1
+    if not take:  # put: distinct entries
+        index = torch.randperm(slots, generator=g)[: n // 10]
+        index = torch.cat([index, torch.full((n - index.numel(),), -1)])
+    want_cache, want_rows = cache.clone(), rows.clone()
+    for i in range(n):
+        if index[i] >= 0:
+            if take:
+                want_rows[:, i] = cache[:, index[i]]
+            else:
+                want_cache[:, index[i]] = rows[:, i]
+    got_slots, got_rows = base_slots.to(dev), base_rows.to(dev)
+    c, r = got_slots[1:].view(2, slots, d), got_rows[1:].view(2, n, d)
+    count = torch.tensor([n], device=dev)
+    if take:
+        ops._take_rows(r, c, index.to(dev), count)
+    else:
+        ops._put_rows(c, r, index.to(dev), count)
+    assert torch.equal(c.cpu(), want_cache) and torch.equal(r.cpu(), want_rows)
+    assert got_slots[0].item() == base_slots[0].item()  # nothing before the views
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("row,dtype", ROWS)
 @pytest.mark.parametrize("parts,n,count", [(3, 1000, 1000), (1, 1000, 617), (2, 50, 80),
-                                           (3, 50, 0), (3, 0, 0), (1, 7, 7)])
+                                           (3, 50, 0), (3, 50, -3), (3, 0, 0), (1, 7, 7),
+                                           (2, 20_000, 20_000)])  # more warps than the grid
 @pytest.mark.parametrize("take", [True, False], ids=["take", "put"])
 def test_row_moves_match_indexing(device, row, dtype, parts, n, count, take):
     """_take_rows / _put_rows against a loop of plain indexing; the slots given as a view of a
@@ -295,6 +330,10 @@ def test_bad_arguments_are_named(device):
     one = torch.zeros(1, dtype=torch.int64, device=dev)
     rows = torch.zeros(1, 3, 8, device=dev)
     rows32 = torch.ones(1, 3, 8, device=dev)
+    three = torch.tensor([3], device=dev)  # so that a missed check would write rows
+    idx = torch.tensor([2, 0, 1], device=dev)
+    shared = torch.tensor([1] * 21 + [2, 0, 1], device=dev)  # rows that also serve as ids
+    longs = torch.full((1, 3, 8), 7, device=dev)
     cases = [
         (lambda: ops._sort_ids(i32, 10), "keys must be Long"),
         (lambda: ops._sort_ids(i64.view(2, 2), 10), "keys must be 1-D"),
@@ -320,22 +359,27 @@ def test_bad_arguments_are_named(device):
          "first, victims and cold must have one length"),
         (lambda: ops._coldest_slots(i64, freq.cpu() if dev.type == "cuda" else freq.double(),
                                     i64, 2), "freq must be"),
-        (lambda: ops._take_rows(rows, rows32.double(), i64[:3], one), "src must have out's dtype"),
-        (lambda: ops._take_rows(rows, rows32.expand(2, 3, 8).contiguous(), i64[:3], one),
+        (lambda: ops._take_rows(rows, rows32.double(), idx, three), "src must have out's dtype"),
+        (lambda: ops._take_rows(rows, rows32.expand(2, 3, 8).contiguous(), idx, three),
          "src must have out's parts"),
-        (lambda: ops._put_rows(rows, rows32[:, :, :4].contiguous(), i64[:3], one),
+        (lambda: ops._put_rows(rows, rows32[:, :, :4].contiguous(), idx, three),
          "src must have dst's parts and row shape"),
-        (lambda: ops._take_rows(rows[0, 0], rows32[0, 0], i64[:3], one), "out must have at least 2"),
-        (lambda: ops._take_rows(rows, rows32, i64, one), "index must have at most out's 3"),
-        (lambda: ops._put_rows(rows, rows32, i64, one), "index must have at most src's 3"),
-        (lambda: ops._take_rows(rows, rows32, i32[:3], one), "index must be Long"),
-        (lambda: ops._take_rows(rows, rows32, i64[:3], i64), "count must be one int64"),
-        (lambda: ops._take_rows(rows.transpose(1, 2), rows32.transpose(1, 2), i64[:3], one),
+        (lambda: ops._take_rows(rows[0, 0], rows32[0, 0], idx, three), "out must have at least 2"),
+        (lambda: ops._take_rows(rows, rows32, torch.cat([idx, idx[:1]]), three),
+         "index must have at most out's 3"),
+        (lambda: ops._put_rows(rows, rows32, torch.cat([idx, idx[:1]]), three),
+         "index must have at most src's 3"),
+        (lambda: ops._take_rows(rows, rows32, idx.int(), three), "index must be Long"),
+        (lambda: ops._take_rows(rows, rows32, idx, i64), "count must be one int64"),
+        (lambda: ops._take_rows(rows.transpose(1, 2), rows32.transpose(1, 2), idx, three),
          "out must be contiguous within each part"),
-        (lambda: ops._take_rows(rows.expand(3, 3, 8), rows32.expand(3, 3, 8), i64[:3], one),
+        (lambda: ops._take_rows(rows.expand(3, 3, 8), rows32.expand(3, 3, 8), idx, three),
          "out must not have overlapping parts"),
-        (lambda: ops._take_rows(rows[:, :2], rows[:, 1:], i64[:2], one),
-         "out and src"),
+        (lambda: ops._take_rows(rows[:, :2], rows[:, 1:], idx[:2], three), "out and src"),
+        (lambda: ops._put_rows(shared[:24].view(1, 3, 8), longs, shared[21:24], three),
+         "dst and index"),
+        (lambda: ops._take_rows(shared[:24].view(1, 3, 8), longs, idx, shared[23:24]),
+         "out and count"),
         (lambda: ops._age_frequencies(freq, i64, 3), "age must be one int64"),
         (lambda: ops._age_frequencies(freq, one, 0), "period must be at least 1"),
     ]
@@ -343,10 +387,10 @@ def test_bad_arguments_are_named(device):
         cases.append((lambda: ops._cache_lookup(i64, one.cpu(), slot_of, freq, 3),
                       "count must be on ids's device"))
     for call, message in cases:
-        before = [t.clone() for t in (freq, slot_of, i64, one, rows)]
+        before = [t.clone() for t in (freq, slot_of, i64, one, rows, shared)]
         with pytest.raises(RuntimeError, match=message):
             call()
-        for t, b in zip((freq, slot_of, i64, one, rows), before):
+        for t, b in zip((freq, slot_of, i64, one, rows, shared), before):
             assert torch.equal(t, b)  # nothing written
 
 
