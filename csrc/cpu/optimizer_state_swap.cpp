@@ -18,11 +18,15 @@ void optimizer_state_swap_cpu(at::TensorList stores, at::TensorList batch,
     if (wb) check_index_values(*wb, store.size(0), "writeback_index");
     if (load) check_index_values(*load, store.size(0), "load_index");
   }
-  for (const auto k : c10::irange(stores.size())) {
-    auto store = stores[k];
-    auto b = batch[k];
-    if (wb) scatter_rows_cpu(store, *wb, b, /*accumulate=*/false);
-    if (load) gather_rows_cpu(store, *load, b);
+  // Every store written back (the index bucketed once for all), then every store loaded.
+  if (wb) {
+    scatter_rows_cpu(stores.vec(), *wb, batch.vec(), /*accumulate=*/false, wb->numel(), nullptr);
+  }
+  if (load) {
+    for (const auto k : c10::irange(stores.size())) {
+      auto b = batch[k];
+      gather_rows_cpu(stores[k], *load, b);
+    }
   }
 }
 

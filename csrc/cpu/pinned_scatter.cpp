@@ -4,6 +4,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -16,29 +17,22 @@ namespace speedtorch_ops {
 // positions that fall in its range in index order: no row is written by two threads, and each
 // row sees its updates in index order. The positions are bucketed by owner first (a counting
 // pass and a placing pass over chunks of the index, both parallel), so every task reads only
-// its own positions: O(n) work in all, not O(n x threads).
-//
-// With `ready`, the source rows arrive in chunks of `ready_chunk` positions: a task calls ready(c)
-// before it first reads a row of chunk c (rising c, possibly skipping some), so the writes of
-// the chunks that have landed run while later ones are still on their way.
-template <typename index_t, typename Visit>
-static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes,
-                           int64_t ready_chunk, const ChunkReady* ready, const Visit& visit) {
-  const auto visit_ready = [&](int64_t i, int64_t& next) {
-    if (ready != nullptr && i >= next) {
-      (*ready)(i / ready_chunk);
-      next = (i / ready_chunk + 1) * ready_chunk;
-    }
-    visit(i, static_cast<int64_t>(idx[i]));
-  };
-  const int64_t parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
-                            ? 1
-                            : std::min<int64_t>(at::get_num_threads(), rows);
-  if (parts <= 1) {
-    int64_t next = 0;
-    for (int64_t i = 0; i < n; ++i) visit_ready(i, next);
-    return;
-  }
+// its own positions: O(n) work in all, not O(n x threads). One bucketing serves every table of
+// a call (they share the index).
+struct Owned {
+  int64_t parts = 1;            // owners; 1: a single pass in index order
+  std::vector<int64_t> order;   // positions, owner by owner, each owner's in index order
+  std::vector<int64_t> start;   // where each owner's positions start in `order` (parts + 1)
+};
+
+template <typename index_t>
+static Owned bucket_by_owner(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes) {
+  Owned o;
+  o.parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
+                ? 1
+                : std::min<int64_t>(at::get_num_threads(), rows);
+  if (o.parts <= 1) return o;
+  const int64_t parts = o.parts;
   const int64_t block = (rows + parts - 1) / parts;  // table rows per owner
   const int64_t chunks = std::min<int64_t>(parts * 4, (n + 4095) / 4096);
   const int64_t chunk = (n + chunks - 1) / chunks;
@@ -51,67 +45,101 @@ static void for_each_owned(const index_t* idx, int64_t n, int64_t rows, int64_t 
       for (int64_t i = c * chunk, e = std::min(n, i + chunk); i < e; ++i) ++mine[idx[i] / block];
     }
   });
-  std::vector<int64_t> start(parts + 1, 0);
+  o.start.assign(parts + 1, 0);
   int64_t total = 0;
   for (int64_t p = 0; p < parts; ++p) {
-    start[p] = total;
+    o.start[p] = total;
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t k = count[c * parts + p];
       count[c * parts + p] = total;
       total += k;
     }
   }
-  start[parts] = total;
-  std::vector<int64_t> order(n);
+  o.start[parts] = total;
+  o.order.resize(n);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* next = count.data() + c * parts;
       for (int64_t i = c * chunk, e = std::min(n, i + chunk); i < e; ++i) {
-        order[next[idx[i] / block]++] = i;
+        o.order[next[idx[i] / block]++] = i;
       }
     }
   });
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+  return o;
+}
+
+// visit(i, idx[i]) for every position, each owner's in index order on one task. With `ready`,
+// the source rows arrive in chunks of `ready_chunk` positions: a task calls ready(c) before it
+// first reads a row of chunk c (rising c, possibly skipping some), so the writes of the chunks
+// that have landed run while later ones are still on their way.
+template <typename index_t, typename Visit>
+static void for_each_owned(const Owned& o, const index_t* idx, int64_t n, int64_t ready_chunk,
+                           const ChunkReady* ready, const Visit& visit) {
+  const auto visit_ready = [&](int64_t i, int64_t& next) {
+    if (ready != nullptr && i >= next) {
+      (*ready)(i / ready_chunk);
+      next = (i / ready_chunk + 1) * ready_chunk;
+    }
+    visit(i, static_cast<int64_t>(idx[i]));
+  };
+  if (o.parts <= 1) {
+    int64_t next = 0;
+    for (int64_t i = 0; i < n; ++i) visit_ready(i, next);
+    return;
+  }
+  at::parallel_for(0, o.parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       int64_t next = 0;
-      for (int64_t k = start[p]; k < start[p + 1]; ++k) visit_ready(order[k], next);
+      for (int64_t k = o.start[p]; k < o.start[p + 1]; ++k) visit_ready(o.order[k], next);
     }
   });
 }
 
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate) {
-  scatter_rows_cpu(table, index, src, accumulate, index.numel(), nullptr);
+  scatter_rows_cpu({table}, index, {src}, accumulate, index.numel(), nullptr);
 }
 
-void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
-                      bool accumulate, int64_t chunk, const ChunkReady* ready) {
+void scatter_rows_cpu(const std::vector<at::Tensor>& tables, const at::Tensor& index,
+                      const std::vector<at::Tensor>& srcs, bool accumulate, int64_t chunk,
+                      const ChunkReady* ready) {
   const int64_t n = index.numel();
-  const int64_t rb = row_bytes(table);
-  if (n == 0 || rb == 0) return;
-  const int64_t rows = table.size(0);
+  if (n == 0 || tables.empty()) return;
+  // Owners split the rows every table has (every index value is below each table's rows).
+  int64_t rows = tables[0].size(0), all_row_bytes = 0;
+  for (const auto& t : tables) {
+    rows = std::min(rows, t.size(0));
+    all_row_bytes += row_bytes(t);
+  }
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "scatter_rows_cpu", [&] {
     const index_t* idx = index.const_data_ptr<index_t>();
-    if (!accumulate) {
-      char* dst = static_cast<char*>(table.mutable_data_ptr());
-      const char* s = static_cast<const char*>(src.const_data_ptr());
-      for_each_owned(idx, n, rows, rb, chunk, ready, [&](int64_t i, int64_t r) {
-        copy_rows_cpu(dst, s, rb, i, i + 1,
-                      [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
+    const Owned owned = bucket_by_owner(idx, n, rows, all_row_bytes);
+    for (const auto k : c10::irange(tables.size())) {
+      const at::Tensor& table = tables[k];
+      const at::Tensor& src = srcs[k];
+      const int64_t rb = row_bytes(table);
+      if (rb == 0) continue;
+      if (!accumulate) {
+        char* dst = static_cast<char*>(table.mutable_data_ptr());
+        const char* s = static_cast<const char*>(src.const_data_ptr());
+        for_each_owned(owned, idx, n, chunk, ready, [&](int64_t i, int64_t r) {
+          copy_rows_cpu(dst, s, rb, i, i + 1,
+                        [&](int64_t) { return std::pair<int64_t, int64_t>{r, i}; });
+        });
+        continue;
+      }
+      AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, table.scalar_type(),
+                                 "scatter_rows_cpu_accumulate", [&] {
+        const int64_t width = rb / static_cast<int64_t>(sizeof(scalar_t));
+        scalar_t* dst = table.mutable_data_ptr<scalar_t>();
+        const scalar_t* s = src.const_data_ptr<scalar_t>();
+        for_each_owned(owned, idx, n, chunk, ready, [&](int64_t i, int64_t r) {
+          scalar_t* d = dst + r * width;
+          const scalar_t* v = s + i * width;
+          for (int64_t c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(d[c] + v[c]);
+        });
       });
-      return;
     }
-    AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, table.scalar_type(),
-                               "scatter_rows_cpu_accumulate", [&] {
-      const int64_t width = rb / static_cast<int64_t>(sizeof(scalar_t));
-      scalar_t* dst = table.mutable_data_ptr<scalar_t>();
-      const scalar_t* s = src.const_data_ptr<scalar_t>();
-      for_each_owned(idx, n, rows, rb, chunk, ready, [&](int64_t i, int64_t r) {
-        scalar_t* d = dst + r * width;
-        const scalar_t* v = s + i * width;
-        for (int64_t c = 0; c < width; ++c) d[c] = static_cast<scalar_t>(d[c] + v[c]);
-      });
-    });
   });
 }
 

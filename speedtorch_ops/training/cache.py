@@ -376,7 +376,7 @@ class CachedRows(HostRows):
         self.cache = torch.zeros((self.parts, slots, *self.row_shape), dtype=host.dtype,
                                  device=self.device)
         self.slot_of = torch.full((rows + 1,), -1, dtype=torch.int32, device=self.device)
-        self.id_of = torch.full((slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.id_of = torch.full((slots,), -1, dtype=torch.int64, device=self.device)
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
         # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
         self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -447,14 +447,13 @@ class CachedRows(HostRows):
         after the lane joins."""
         k = min(d.n, self.slots)
         # Coldest first; slots holding rows of this step (`at`) cannot be victims.
-        victims, cold = ops._coldest_slots(self.id_of[: self.slots], self.freq, at, k)
+        victims, cold = ops._coldest_slots(self.id_of, self.freq, at, k)
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         # A miss takes a slot this step does not use (finite priority), with "frequency" only
         # one whose row is used at most as often as the miss; the rows such slots held are
         # evicted.
         admit, keys, evicted = ops._admission(d.ids, first, victims, cold, misses, self.freq,
-                                              self.id_of[: self.slots],
-                                              self.admission == "frequency")
+                                              self.id_of, self.admission == "frequency")
         # Evicted rows in address order (the others' keys, len(freq), sort last).
         ev_sorted, ev_order = ops._sort_ids(keys, self.freq.numel() + 1)
         self._move(self.cache.unbind(0), ev_sorted, victims[ev_order], evicted, load=False,
@@ -481,8 +480,7 @@ class CachedRows(HostRows):
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
         # misses their victim's, the rest none (the slot past the cache: not moved); one call
         # puts them all back.
-        dest = ops._cache_admit(self.slot_of, self.id_of[: self.slots], d.ids, at, first,
-                                victims, admit)
+        dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         ops._put_rows(self.cache, buf, dest, d.count)
         self.stats[4] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
@@ -546,7 +544,7 @@ class CachedRows(HostRows):
         """Write every cached row to the host table (it is then complete); the rows stay cached.
         Waits for the GPU (the number of cached rows is read)."""
         self._join()
-        ids = self.id_of[: self.slots]
+        ids = self.id_of
         key = torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max)
         rows, order = torch.sort(key)
         count = (ids >= 0).sum().view(1)

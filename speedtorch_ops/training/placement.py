@@ -67,14 +67,12 @@ def next_free_name(stem: str, suffix: str) -> str:
     return f"{stem}{n}{suffix}"
 
 
-def upload(values: Tensor, device: torch.device, out: Optional[Tensor] = None) -> Tensor:
-    """A CPU tensor on `device` (or copied into `out` there), queued on the current stream.
-    Through pinned memory: a copy from pageable memory would wait for the whole stream."""
+def upload(values: Tensor, device: torch.device) -> Tensor:
+    """A CPU tensor on `device`, queued on the current stream. Through pinned memory: a copy
+    from pageable memory would wait for the whole stream."""
     if device.type == "cpu":
-        return values if out is None else out.copy_(values)
-    if out is None:
-        return upload_all([values], device)[1][0]
-    return out.copy_(upload_all([values], device)[1][0], non_blocking=True)
+        return values
+    return upload_all([values], device)[1][0]
 
 
 def upload_all(values: Sequence[Tensor], device: torch.device,

@@ -105,7 +105,7 @@ TEST_CASE("scatter_rows_cpu with rows arriving in chunks reads each chunk only o
       }
     };
     auto table = data.clone();
-    speedtorch_ops::scatter_rows_cpu(table, index, staged, accumulate, chunk, &ready);
+    speedtorch_ops::scatter_rows_cpu({table}, index, {staged}, accumulate, chunk, &ready);
     if (accumulate) {
       const auto ref = data.to(at::kDouble).index_add(0, index, src.to(at::kDouble));
       REQUIRE(at::allclose(table.to(at::kDouble), ref, 1e-5, 1e-4));

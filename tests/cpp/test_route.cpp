@@ -22,6 +22,13 @@ Call call(Memory memory, bool index_on_device, int64_t load_rows = 100) {
   return c;
 }
 
+// `c` with one change made by `edit`.
+template <typename Edit>
+Call changed(Call c, const Edit& edit) {
+  edit(c);
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("route: everything on the host takes the CPU kernels") {
@@ -90,19 +97,13 @@ TEST_CASE("route: write-backs alone into a very wide host table go through the C
   // A CUDA index that must not wait, or is being captured, or was sorted by the caller stays on
   // the GPU; a CPU index waits anyway.
   const auto wb = lone_writeback(true);
-  auto no_wait = wb;
-  no_wait.may_wait = false;
-  REQUIRE(route(no_wait) == Path::kZeroCopySorted);
-  auto capturing = wb;
-  capturing.capturing = true;
-  REQUIRE(route(capturing) == Path::kZeroCopySorted);
-  auto presorted = wb;
-  presorted.presorted = true;
-  REQUIRE(route(presorted) == Path::kZeroCopySorted);
-  auto cpu_no_wait = wb;
-  cpu_no_wait.index_on_device = false;
-  cpu_no_wait.may_wait = false;
-  REQUIRE(route(cpu_no_wait) == Path::kHostStaged);
+  REQUIRE(route(changed(wb, [](Call& c) { c.may_wait = false; })) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(wb, [](Call& c) { c.capturing = true; })) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(wb, [](Call& c) { c.presorted = true; })) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(wb, [](Call& c) {
+            c.index_on_device = false;
+            c.may_wait = false;
+          })) == Path::kHostStaged);
 }
 
 TEST_CASE("route: a pageable table moves through the CPU side, whatever the index's device") {
@@ -178,21 +179,14 @@ TEST_CASE("route: a CUDA index over a huge pinned table takes the hybrid path") 
   below.hybrid_min_span = 1 << 20;  // the test hook's lower threshold
   REQUIRE(route(below) == Path::kHybrid);
   // Never where the call must not wait or the host cannot help.
-  auto capturing = huge;
-  capturing.capturing = true;
-  REQUIRE(route(capturing) == Path::kZeroCopy);
-  auto presorted = huge;
-  presorted.presorted = true;
-  REQUIRE(route(presorted) == Path::kZeroCopySorted);
-  auto beside_device = huge;
-  beside_device.add(Memory::kDevice);
-  REQUIRE(route(beside_device) == Path::kZeroCopy);
-  auto no_wait = huge;  // bounds_check='prechecked': the caller must not wait
-  no_wait.may_wait = false;
-  REQUIRE(route(no_wait) == Path::kZeroCopy);
-  auto writeback = huge;  // with a write-back: zero-copy, sorted writes past 1 GiB
-  writeback.writeback_rows = 1;
-  REQUIRE(route(writeback) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(huge, [](Call& c) { c.capturing = true; })) == Path::kZeroCopy);
+  REQUIRE(route(changed(huge, [](Call& c) { c.presorted = true; })) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(huge, [](Call& c) { c.add(Memory::kDevice); })) == Path::kZeroCopy);
+  // bounds_check='prechecked': the caller must not wait
+  REQUIRE(route(changed(huge, [](Call& c) { c.may_wait = false; })) == Path::kZeroCopy);
+  // with a write-back: zero-copy, sorted writes past 1 GiB
+  REQUIRE(route(changed(huge, [](Call& c) { c.writeback_rows = 1; })) ==
+          Path::kZeroCopySorted);
   auto small = call(Memory::kMappedHost, true, 10);  // 40 KiB: not worth a wait
   small.mapped_span = Call::kHybridMinSpan;
   REQUIRE(route(small) == Path::kZeroCopy);

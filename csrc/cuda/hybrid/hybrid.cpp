@@ -91,18 +91,18 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
 }
 
 // Writes the rows of `down` (staged in position order, chunk c landed once landed[c] has) into
-// the tables at `rows`: one pass over all of them, each CPU thread owning a range of table rows
-// and waiting for a chunk only when it reaches one of its positions there.
+// the tables at `rows`: the index bucketed once for every table, each CPU thread owning a
+// range of table rows and waiting for a chunk only when it reaches one of its positions there.
 void write_landed(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
                   const at::Tensor& rows, Staging& down,
                   const std::vector<at::cuda::CUDAEvent>& landed, int64_t chunk,
                   bool accumulate) {
   const ChunkReady ready = [&](int64_t c) { landed[c].synchronize(); };
+  std::vector<at::Tensor> srcs;
   for (const auto k : c10::irange(pairs.size())) {
-    auto table = tables[k];
-    scatter_rows_cpu(table, rows, down.rows(pairs, k, 0, rows.numel(), table), accumulate, chunk,
-                     &ready);
+    srcs.push_back(down.rows(pairs, k, 0, rows.numel(), tables[k]));
   }
+  scatter_rows_cpu(tables, rows, srcs, accumulate, chunk, &ready);
 }
 
 // Write-back through the CPU side alone (no zero-copy share): the batch rows come down in

@@ -76,12 +76,15 @@ void check_scatter_args(const at::Tensor& table, const at::Tensor& index, const 
 void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate);
-// The same, with src's rows arriving in chunks of `chunk` positions: ready(c) returns once
-// rows [c * chunk, (c + 1) * chunk) may be read. It is called from the CPU threads, each
-// asking for rising chunks, so rows that have landed are written while the rest arrive.
+// The same into several tables by one index (tables[k][index[i]] = srcs[k][i]; the index
+// bucketed once for all), with the srcs' rows arriving in chunks of `chunk` positions (or
+// nullptr ready: all there): ready(c) returns once rows [c * chunk, (c + 1) * chunk) may be
+// read. It is called from the CPU threads, each asking for rising chunks, so rows that have
+// landed are written while the rest arrive.
 using ChunkReady = std::function<void(int64_t)>;
-void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
-                      bool accumulate, int64_t chunk, const ChunkReady* ready);
+void scatter_rows_cpu(const std::vector<at::Tensor>& tables, const at::Tensor& index,
+                      const std::vector<at::Tensor>& srcs, bool accumulate, int64_t chunk,
+                      const ChunkReady* ready);
 
 // Kernels, named <op>_<device>, with the schema's signature.
 at::Tensor pinned_gather_cpu(const at::Tensor& table, const at::Tensor& index,
