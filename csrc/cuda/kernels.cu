@@ -180,6 +180,15 @@ __device__ __forceinline__ void copy_row(const V* __restrict__ from, int64_t row
   }
 }
 
+// Rows a team copies at once in copy_rows_kernel: one vector of each before any store, so a
+// lane keeps several reads in flight even when a row is a single vector per lane.
+constexpr int kRowsAtOnce = 4;
+
+// The copy kernel works warp by warp on 32 consecutive work items (see for_each_item for the
+// order): each lane first resolves one item (its index entries and whether it writes: one
+// coalesced round of dependent loads for all 32, where a team resolving its own item would
+// wait for them before every row), then the warp's teams copy the items kRowsAtOnce at a time,
+// taking each item's rows from the lane that resolved it.
 template <typename V>
 __global__ void __launch_bounds__(kCappedThreads)
     copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
@@ -187,18 +196,67 @@ __global__ void __launch_bounds__(kCappedThreads)
                      bool last_of_run, LastOf last_of,
                      const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
   n = limited(n, limit);
-  for_each_item(t.count, t.row_major, n, team_log2, status,
-                [&](int k, int64_t j, int lane, int team) {
-    if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return;
-    // a later position writes this row
-    if (last_of.last != nullptr && last_of.last[last_of.entry[j]] != j + 1) return;
-    const int64_t d = dst_idx ? dst_idx[j] : j;
-    const int64_t s = src_idx ? src_idx[j] : j;
-    const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
-    const V* from = reinterpret_cast<const V*>(t.src[k] + s * t.src_stride[k]);
-    V* to = reinterpret_cast<V*>(t.dst[k] + d * t.dst_stride[k]);
-    copy_row(from, row_vecs, lane, team, [&](int64_t c, const V& v) { to[c] = v; });
-  });
+  if (status[0] != 0) return;  // a bad index: write nothing
+  const int lane = threadIdx.x & 31;
+  const int team = 1 << team_log2;
+  const int team_lane = lane & (team - 1);
+  const int team_id = lane >> team_log2;
+  const int teams = 32 >> team_log2;
+  const int64_t items = n * t.count;
+  const int64_t warps = (int64_t{gridDim.x} * blockDim.x) >> 5;
+  for (int64_t base = ((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5) * 32; base < items;
+       base += warps * 32) {
+    // This lane's item: table k, destination row d (-1: nothing to write), source row s.
+    const int64_t i = base + lane;
+    int k = 0;
+    int64_t d = -1, s = 0;
+    if (i < items) {
+      int64_t j = i;
+      if (t.count > 1 && t.row_major) {
+        j = i / t.count;
+        k = static_cast<int>(i - j * t.count);
+      } else if (t.count > 1) {
+        k = static_cast<int>(i / n);
+        j = i - k * n;
+      }
+      // a later position writes this row
+      const bool later = (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) ||
+                         (last_of.last != nullptr && last_of.last[last_of.entry[j]] != j + 1);
+      if (!later) {
+        d = dst_idx ? dst_idx[j] : j;
+        s = src_idx ? src_idx[j] : j;
+      }
+    }
+    for (int first = 0; first < 32; first += teams * kRowsAtOnce) {
+      const V* from[kRowsAtOnce];
+      V* to[kRowsAtOnce];
+      int64_t vecs[kRowsAtOnce];
+      int64_t most = 0;
+#pragma unroll
+      for (int u = 0; u < kRowsAtOnce; ++u) {
+        const int owner = first + u * teams + team_id;  // past 31 when teams * rows > 32
+        const int64_t du = __shfl_sync(0xffffffffu, d, owner & 31);
+        const int64_t su = __shfl_sync(0xffffffffu, s, owner & 31);
+        const int ku = __shfl_sync(0xffffffffu, k, owner & 31);
+        const bool writes = owner < 32 && du >= 0;
+        vecs[u] = writes ? t.row_bytes[ku] / static_cast<int64_t>(sizeof(V)) : 0;
+        from[u] = reinterpret_cast<const V*>(t.src[ku] + (writes ? su : 0) * t.src_stride[ku]);
+        to[u] = reinterpret_cast<V*>(t.dst[ku] + (writes ? du : 0) * t.dst_stride[ku]);
+        most = max(most, vecs[u]);
+      }
+      for (int64_t c = team_lane; c < most; c += team) {
+        V v[kRowsAtOnce];
+#pragma unroll
+        for (int u = 0; u < kRowsAtOnce; ++u) {
+          if (c < vecs[u]) v[u] = from[u][c];
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsAtOnce; ++u) {
+          if (c < vecs[u]) to[u][c] = v[u];
+        }
+      }
+    }
+  }
 }
 
 // Gather in sorted order, each distinct row read once: sorted[j] holds the rows in ascending
@@ -310,7 +368,8 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
   return by_vector_width(t, [&](auto vec) {
     using V = decltype(vec);
     const int team_log2 = team_log2_of<V>(t);
-    const Shape shape = shape_for(n * t.count, team_log2, grid);
+    // a warp takes 32 items a round, whatever its teams
+    const Shape shape = shape_for(n * t.count, 0, grid);
     copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
         t, dst_idx, src_idx, n, team_log2, last_of_run, last_of, status, limit);
     return cudaGetLastError();
