@@ -79,7 +79,8 @@ cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, i
                        cudaStream_t stream);
 
 // The last position of each distinct row of an index, found without a sort (launch_mark_last):
-// position j is its row's last when last[entry[j]] == j + 1. Both nullptr: no such filter.
+// position j is its row's last when last[entry[j]] == j + 1, or, with no entry (one counter
+// per table row), when last[dst row of j] == j + 1. last nullptr: no such filter.
 struct LastOf {
   const int32_t* last = nullptr;
   const int32_t* entry = nullptr;
@@ -94,18 +95,21 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
                              const int64_t* status, Grid grid, cudaStream_t stream,
                              const int64_t* limit = nullptr);
 
-// @brief Device scratch bytes launch_mark_last needs for an index of n positions (a hash of
-// about 2n to 4n entries plus one int32 per position: independent of the table's size).
-int64_t last_of_bytes(int64_t n);
+// @brief Device scratch bytes launch_mark_last needs for an index of n positions whose values
+// are below `rows`: one counter per row when there are few enough rows that zeroing them costs
+// less than a hash's extra work, else a hash of about 2n to 4n entries plus one int32 per
+// position (independent of the table's size).
+int64_t last_of_bytes(int64_t n, int64_t rows);
 
-// The most positions launch_mark_last takes (its hash's entries are numbered in int32).
+// The most positions launch_mark_last takes (its counters and hash entries are int32).
 constexpr int64_t kLastOfMaxRows = int64_t{1} << 30;
 
-// Marks the last position of each distinct row of idx[0, n) (n <= kLastOfMaxRows) in `scratch`
-// (last_of_bytes(n), any contents: zeroed here), so a scatter lets the last duplicate win
-// without a sort; sets *last_of for launch_copy_rows. A memset and one kernel.
-cudaError_t launch_mark_last(const int64_t* idx, int64_t n, void* scratch, const int64_t* status,
-                             cudaStream_t stream, LastOf* last_of);
+// Marks the last position of each distinct row of idx[0, n) (n <= kLastOfMaxRows, values below
+// `rows`) in `scratch` (last_of_bytes(n, rows), any contents: zeroed here), so a scatter lets
+// the last duplicate win without a sort; sets *last_of for launch_copy_rows. A memset and one
+// kernel.
+cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int64_t rows, void* scratch,
+                             const int64_t* status, cudaStream_t stream, LastOf* last_of);
 
 // For every table: dst row perm[j] = src row sorted[j] for j in [0, n), with `sorted` ascending:
 // rows are read in address order and each distinct row once (a repeated row crosses PCIe once).

@@ -144,9 +144,10 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
   if (path != route::Path::kZeroCopySorted && index.slots() == nullptr &&
       index.limit() == nullptr && n <= cuda::kLastOfMaxRows) {
     const auto& rows = index.rows();
-    auto scratch = at::empty({cuda::last_of_bytes(n)}, rows.options().dtype(at::kByte));
+    const int64_t bound = index.bound();
+    auto scratch = at::empty({cuda::last_of_bytes(n, bound)}, rows.options().dtype(at::kByte));
     cuda::LastOf last_of;
-    C10_CUDA_CHECK(cuda::launch_mark_last(rows.const_data_ptr<int64_t>(), n,
+    C10_CUDA_CHECK(cuda::launch_mark_last(rows.const_data_ptr<int64_t>(), n, bound,
                                           scratch.mutable_data_ptr(), v.status(), v.stream(),
                                           &last_of));
     for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {

@@ -46,6 +46,7 @@ class DeviceIndex {
   bool presorted() const { return presorted_; }
   const int64_t* limit() const { return limit_; }
   int64_t size() const { return rows_.numel(); }
+  int64_t bound() const { return bound_; }
   const at::Tensor& rows() const { return rows_; }
   const int64_t* slots() const { return slots_ ? slots_->const_data_ptr<int64_t>() : nullptr; }
   // The rows ascending (stable), and the batch position of each.
@@ -77,7 +78,7 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
 // @brief table[k][row j] = batch[k][slot j] for every pair; duplicate rows: the last slot wins
 // (or, with accumulate, one pair only, all add up in index order). Sorted for
 // route::Path::kZeroCopySorted, for accumulate, and for rows given with slots or a limit; else
-// in the index's order, each row's last position found by a hash (launch_mark_last). `like`
+// in the index's order, each row's last position marked first (launch_mark_last). `like`
 // gives the dtype.
 void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Path path,
                    const at::Tensor& like, bool accumulate, const Validation& v);
