@@ -9,7 +9,8 @@
 
 namespace speedtorch_ops {
 
-void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out) {
+void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out,
+                     bool for_device) {
   const int64_t n = index.numel();
   const int64_t rb = row_bytes(table);
   if (n == 0 || rb == 0) return;
@@ -19,6 +20,15 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
     const index_t* idx = index.const_data_ptr<index_t>();
     // Each output row is written once, so rows split across threads freely (duplicates only
     // read the same source row twice).
+    if (for_device && can_stream_out(dst, rb)) {
+      at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          stream_row(dst + i * rb, src + static_cast<int64_t>(idx[i]) * rb, rb);
+        }
+        end_streaming();
+      });
+      return;
+    }
     at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
       copy_rows_cpu(dst, src, rb, begin, end,
                     [&](int64_t i) { return std::pair<int64_t, int64_t>{i, idx[i]}; });

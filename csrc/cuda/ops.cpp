@@ -112,6 +112,7 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.load_rows = n_load;
   t.call.writeback_rows = n_wb;
   t.call.moved_bytes = (n_wb + n_load) * total_rb;
+  t.call.row_bytes = total_rb;
   t.call.hybrid_share = cuda_impl::fixed_share();
   t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
   t.call.host_write_min_span = cuda_impl::host_write_min_span();

@@ -1,5 +1,7 @@
 #include "route.h"
 
+#include <algorithm>
+
 namespace speedtorch_ops::route {
 namespace {
 
@@ -29,6 +31,24 @@ bool hybrid_pays(const Call& c) {
   return c.moved_bytes >= kHybridMinBytes;
 }
 
+// The span from which write-backs alone go through the CPU: host_write_min_span for narrow
+// rows, the hybrid's span for wider ones (see Call::kHostWriteMinSpan).
+int64_t host_write_span(const Call& c) {
+  return c.row_bytes < Call::kNarrowRowBytes ? c.host_write_min_span
+                                             : std::min(c.hybrid_min_span, c.host_write_min_span);
+}
+
+// A call the hybrid serves: loads of narrow rows from a table of hybrid_min_span and more go
+// through the CPU side alone. The zero-copy kernels move such rows at a small fraction of the
+// CPU side's rate (a row rate caps them there, whatever the row's size), and even the tuner's
+// smallest share of them slowed the call: their many small reads share the link with the
+// CPU side's copies. The test hook's share still forces a split.
+Path split_or_cpu(const Call& c) {
+  const bool narrow_load = c.writeback_rows == 0 && c.row_bytes < Call::kNarrowRowBytes &&
+                           c.mapped_span >= c.hybrid_min_span && c.hybrid_share < 0;
+  return narrow_load ? Path::kHostStaged : Path::kHybrid;
+}
+
 }  // namespace
 
 Path route(const Call& c) {
@@ -43,10 +63,10 @@ Path route(const Call& c) {
   // index comes to the host (a wait for its stream), so not for calls that must not wait.
   if (!c.device_tables && c.writeback_rows > 0 && c.load_rows == 0 && !c.presorted &&
       (!c.index_on_device || (c.may_wait && !c.capturing)) &&
-      c.mapped_span >= c.host_write_min_span && hybrid_pays(c)) {
+      c.mapped_span >= host_write_span(c) && hybrid_pays(c)) {
     return Path::kHostStaged;
   }
-  if (!c.index_on_device && !c.device_tables && hybrid_pays(c)) return Path::kHybrid;
+  if (!c.index_on_device && !c.device_tables && hybrid_pays(c)) return split_or_cpu(c);
   if (!c.mapped_tables) return Path::kDevice;
   // Random rows of a huge host table: the zero-copy kernels are capped by a row rate
   // (address translation) that CPU threads do not have, so a CUDA index comes to the host (one
@@ -55,7 +75,7 @@ Path route(const Call& c) {
   // 'prechecked': the stores' steps) or under capture.
   if (c.index_on_device && !c.device_tables && !c.presorted && c.may_wait && !c.capturing &&
       c.writeback_rows == 0 && c.mapped_span >= c.hybrid_min_span && hybrid_pays(c)) {
-    return Path::kHybrid;
+    return split_or_cpu(c);
   }
   const bool sorted_writes = c.writeback_rows > 0 && c.mapped_span > kUnsortedWriteMaxSpan;
   return c.presorted || c.load_rows >= kSortedLoadMin || sorted_writes ? Path::kZeroCopySorted

@@ -29,6 +29,7 @@ struct Call {
   int64_t load_rows = 0;         // rows read from the tables into the batch
   int64_t writeback_rows = 0;    // rows written from the batch to the tables
   int64_t moved_bytes = 0;       // bytes moved in both directions, all tables together
+  int64_t row_bytes = 0;         // bytes of one row, all tables together
   double hybrid_share = -1.0;    // the hybrid test hook's fixed zero-copy share; < 0: automatic
   int64_t mapped_span = 0;       // bytes of the largest host-mapped table
   // From this span up, a CUDA index over host-mapped tables takes the hybrid path (see route).
@@ -38,15 +39,25 @@ struct Call {
   // the hybrid): zero-copy read 4 GiB in 1.66 ms against the hybrid's 1.84, but 8 GiB in 2.60
   // against 1.77, 24 GiB in 3.98 against 1.85, and 128 B rows of 8 GiB in 4.04 against 2.47.
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
-  // From this span up, write-backs alone (no load in the call) into host-mapped tables go
-  // through the CPU (see route).
+  // From this span up, write-backs alone (no load in the call) of rows narrower than
+  // kNarrowRowBytes into host-mapped tables go through the CPU; wider rows from
+  // hybrid_min_span up (see route).
   int64_t host_write_min_span = kHostWriteMinSpan;
   // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
   // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70
   // for the zero-copy kernels, 512 k rows of 64 B in 2.55 against 10.2, of 128 B in 3.34
   // against 9.62; into 8 GiB the zero-copy kernels still won 1 M rows of 64 B (3.65 against
-  // 6.69) and tied 128 B (3.57 against 3.57).
+  // 6.69) and tied 128 B (3.57 against 3.57). With streaming stores on the CPU side
+  // (bench/cpu_side.py), into 8 GiB CPU threads wrote 131 k rows of 512 B in 2.0-2.4 ms
+  // against 3.0-3.2 zero-copy and 512 k rows of 128 B in 3.1-3.8 against 4.5-4.7, while 1 M
+  // rows of 32-64 B still took 4.9-5.9 against 4.2-4.4.
   static constexpr int64_t kHostWriteMinSpan = int64_t{16} << 30;
+  // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
+  // CPU alone (see route). Measured on the H100 (bench/cpu_side.py,
+  // 16 threads, a CPU index): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms through
+  // the CPU side alone against 2.17-2.27 split by the tuner, 512 k rows of 64 B from 24 GiB
+  // 1.39-1.69 against 1.66-2.06; 128 B rows tied, as did 512 B.
+  static constexpr int64_t kNarrowRowBytes = 128;
 
   // Records one of the call's tables.
   void add(Memory memory) {
@@ -64,7 +75,9 @@ enum class Path {
   kHybrid,          // CPU threads + DMA beside the zero-copy kernels, the split tuned per shape
                     // (a CUDA index is brought to the host first, which waits for its stream)
   kHostStaged,      // the hybrid path's CPU side alone: CPU threads + DMA move every row
-                    // (a CUDA index is brought to the host first, which waits for its stream)
+                    // (a CUDA index is brought to the host first, which waits for its stream):
+                    // pageable tables, write-backs into very wide host tables, loads of narrow
+                    // rows from wide ones
   // No path serves the call; the entry point raises, naming the argument and the fix.
   kRefusedRowsOnHost,   // a device table or index, but the rows on the host
   kRefusedMixedTables,  // pageable host tables beside device tables

@@ -19,6 +19,7 @@ Call call(Memory memory, bool index_on_device, int64_t load_rows = 100) {
   c.rows_on_device = true;
   c.load_rows = load_rows;
   c.moved_bytes = load_rows * 4096;
+  c.row_bytes = 4096;
   return c;
 }
 
@@ -82,10 +83,19 @@ TEST_CASE("route: write-backs alone into a very wide host table go through the C
     const auto wb = lone_writeback(on_device);
     REQUIRE(route(wb) == Path::kHostStaged);
     REQUIRE(speedtorch_ops::route::reads_index_on_host(route(wb)));
-    auto narrower = wb;
-    narrower.mapped_span = Call::kHostWriteMinSpan - 1;
+    // rows of 128 B and more from the hybrid's span up, narrower ones from 16 GiB
+    REQUIRE(route(changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan; })) ==
+            Path::kHostStaged);
+    auto narrower = changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan - 1; });
     REQUIRE(route(narrower) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
-    narrower.host_write_min_span = 1 << 20;  // the test hook's lower threshold
+    auto narrow_rows = changed(wb, [](Call& c) {
+      c.row_bytes = Call::kNarrowRowBytes - 1;
+      c.mapped_span = Call::kHostWriteMinSpan - 1;
+    });
+    REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    narrow_rows.mapped_span = Call::kHostWriteMinSpan;
+    REQUIRE(route(narrow_rows) == Path::kHostStaged);
+    narrower.hybrid_min_span = narrower.host_write_min_span = 1 << 20;  // the test hook
     REQUIRE(route(narrower) == Path::kHostStaged);
     auto with_load = wb;  // a swap keeps its split (or zero-copy)
     with_load.load_rows = 1000;
@@ -193,4 +203,29 @@ TEST_CASE("route: a CUDA index over a huge pinned table takes the hybrid path") 
   auto forced_whole = huge;
   forced_whole.hybrid_share = 1.0;  // the share hook's "zero-copy alone"
   REQUIRE(route(forced_whole) == Path::kZeroCopy);
+}
+
+TEST_CASE("route: loads of narrow rows from a huge host table go through the CPU alone") {
+  for (bool on_device : {true, false}) {
+    auto narrow = call(Memory::kMappedHost, on_device, 100000);  // 6.4 MB of 64 B rows
+    narrow.row_bytes = Call::kNarrowRowBytes / 2;
+    narrow.moved_bytes = 100000 * narrow.row_bytes;
+    narrow.mapped_span = Call::kHybridMinSpan;
+    REQUIRE(route(narrow) == Path::kHostStaged);
+    // rows as wide as the threshold, a narrower table, a write-back beside the load, or the
+    // test hook's share: the split, as before
+    REQUIRE(route(changed(narrow, [](Call& c) { c.row_bytes = Call::kNarrowRowBytes; })) ==
+            Path::kHybrid);
+    REQUIRE(route(changed(narrow, [](Call& c) { c.mapped_span = Call::kHybridMinSpan - 1; })) ==
+            (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    REQUIRE(route(changed(narrow, [](Call& c) { c.writeback_rows = 1; })) ==
+            (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    REQUIRE(route(changed(narrow, [](Call& c) { c.hybrid_share = 0.5; })) == Path::kHybrid);
+  }
+  // A CUDA index that must not wait, or is being captured, stays on the GPU.
+  auto narrow = call(Memory::kMappedHost, true, 100000);
+  narrow.row_bytes = 64;
+  narrow.mapped_span = Call::kHybridMinSpan;
+  REQUIRE(route(changed(narrow, [](Call& c) { c.may_wait = false; })) == Path::kZeroCopySorted);
+  REQUIRE(route(changed(narrow, [](Call& c) { c.capturing = true; })) == Path::kZeroCopySorted);
 }

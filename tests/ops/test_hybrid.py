@@ -323,6 +323,30 @@ def test_cuda_index_over_a_huge_table(share, huge_tables, accumulate, gen):
     assert torch.equal(batch[0].cpu(), ref[index.cpu()])
 
 
+@pytest.mark.parametrize("row_floats", [8, 16, 25])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_floats, on_device,
+                                                          gen):
+    """Loads of rows under 128 B from a table past the span threshold go through the CPU side
+    alone (32 and 64 B rows staged with streaming stores, 100 B rows with memcpy): the same
+    rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back splits."""
+    data = random_rows((5000, row_floats), torch.float32, gen)
+    table = pinned(data)
+    place = (lambda i: i.cuda()) if on_device else (lambda i: i)
+    index = place(cpu_index(70000, 5000, gen))
+    out = torch.zeros(70000, row_floats, device="cuda")
+    speedtorch_ops.pinned_gather_into(table, index, out)
+    assert torch.equal(out.cpu(), data[index.cpu()]), f"seed {gen.initial_seed()}"
+    batch = [torch.zeros(70000, row_floats, device="cuda")]
+    speedtorch_ops.optimizer_state_swap([table], batch, None, index)
+    assert torch.equal(batch[0].cpu(), data[index.cpu()])
+    wb = place(cpu_index(70000, 5000, gen))
+    src = random_rows((70000, row_floats), torch.float32, gen).cuda()
+    ref = last_wins_reference(data, wb, src)
+    speedtorch_ops.optimizer_state_swap([table], [src], wb, index)
+    assert torch.equal(table, ref) and torch.equal(src.cpu(), ref[index.cpu()])
+
+
 @pytest.mark.parametrize("mode", ["deferred", "raise"])
 def test_cuda_index_over_a_huge_table_checks_on_the_host(huge_tables, mode, gen):
     """A load's (or a lone write-back's) index is read on the host, so a bad one raises in the

@@ -93,3 +93,26 @@ def test_scatter_empty_index_and_non_contiguous_src(store, gen):
     ref = data.clone()
     ref[index.cpu()] = src.cpu()
     assert torch.equal(table.cpu(), ref)
+
+
+@pytest.mark.parametrize("threads", [None, 7])
+def test_scatter_into_a_table_past_the_caches(threads, gen):
+    # A CPU table of 256 MiB and more takes streaming stores for rows of whole, aligned 64-byte
+    # lines (64 and 192 B here), and memcpy for other rows (100 B) and for a view off 64-byte
+    # alignment; every row written must match last-wins, every other row stay as it was.
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        flat = random_rows(((256 << 20) // 4 + 64,), torch.float32, gen)
+        for row_floats, offset in ((16, 0), (48, 0), (25, 0), (16, 4)):
+            rows = ((256 << 20) // 4) // row_floats
+            view = flat[offset: offset + rows * row_floats].view(rows, row_floats)
+            before = view.clone()
+            index = random_index(300_000, rows, torch.int64, "cpu", gen)
+            index[-5000:] = index[:5000]  # duplicates certain, the later one wins
+            src = random_rows((300_000, row_floats), torch.float32, gen)
+            speedtorch_ops.pinned_scatter(view, index, src)
+            assert torch.equal(view, last_wins_reference(before, index, src)), (row_floats, offset)
+    finally:
+        torch.set_num_threads(previous)

@@ -81,7 +81,7 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
       const auto rows = idx.narrow(0, z + b, len);
       for (const auto k : c10::irange(pairs.size())) {
         auto out = staging.rows(pairs, k, b, len, tables[k]);
-        gather_rows_cpu(tables[k], rows, out);
+        gather_rows_cpu(tables[k], rows, out, /*for_device=*/true);
       }
       staging.copy_batch(pairs, b, len, z + b, /*to_batch=*/true, dma);
     }
@@ -217,7 +217,7 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
       const auto rows = sload->cpu_rows.narrow(0, b, len);
       for (const auto k : c10::irange(pairs.size())) {
         auto out = up->rows(pairs, k, b, len, tables[k]);
-        gather_rows_cpu(tables[k], rows, out);
+        gather_rows_cpu(tables[k], rows, out, /*for_device=*/true);
       }
       up->copy_chunk(pairs, b, len, cudaMemcpyHostToDevice, dma);
     }

@@ -73,7 +73,10 @@ void check_scatter_args(const at::Tensor& table, const at::Tensor& index, const 
 
 // The CPU cores of the ops, reused by optimizer_state_swap and by the C++ tests. They assume
 // the checks above have passed; index is contiguous.
-void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out);
+// for_device: out is staging that a copy engine reads next, not the CPU (streaming stores
+// where the rows allow).
+void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tensor& out,
+                     bool for_device = false);
 void scatter_rows_cpu(at::Tensor& table, const at::Tensor& index, const at::Tensor& src,
                       bool accumulate);
 // The same into several tables by one index (tables[k][index[i]] = srcs[k][i]; the index
