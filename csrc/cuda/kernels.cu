@@ -127,6 +127,22 @@ __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int6
   }
 }
 
+// Work item i of a transfer kernel: its position (returned) and its table k (see for_each_item).
+__device__ __forceinline__ int64_t position_of(int64_t i, int count, bool row_major, int64_t n,
+                                               int& k) {
+  if (count == 1) {  // no division for one table
+    k = 0;
+    return i;
+  }
+  if (row_major) {
+    const int64_t j = i / count;
+    k = static_cast<int>(i - j * count);
+    return j;
+  }
+  k = static_cast<int>(i / n);
+  return i - k * n;
+}
+
 // Calls item(k, j, lane, team) for every work item of a transfer kernel: item i is (table k,
 // position j) = (i / n, i % n), one team of `team` threads per item. One table at a time in
 // index order, so the reads of a host table stay within that table's span (on the H100, three
@@ -144,15 +160,9 @@ __device__ __forceinline__ void for_each_item(int count, bool row_major, int64_t
   const int64_t items = n * count;
   for (int64_t i = blockIdx.x * teams_per_block + (threadIdx.x >> team_log2); i < items;
        i += stride) {
-    if (count == 1) {  // no division for one table
-      item(0, i, lane, 1 << team_log2);
-    } else if (row_major) {
-      const int64_t j = i / count;
-      item(static_cast<int>(i - j * count), j, lane, 1 << team_log2);
-    } else {
-      const int k = static_cast<int>(i / n);
-      item(k, i - k * n, lane, 1 << team_log2);
-    }
+    int k = 0;
+    const int64_t j = position_of(i, count, row_major, n, k);
+    item(k, j, lane, 1 << team_log2);
   }
 }
 
@@ -180,15 +190,31 @@ __device__ __forceinline__ void copy_row(const V* __restrict__ from, int64_t row
   }
 }
 
+// Whether position j of a copy writes its row (no later position of the same destination row
+// does: last_of_run, last_of), and then its destination and source rows.
+__device__ __forceinline__ bool writes_row(const int64_t* __restrict__ dst_idx,
+                                           const int64_t* __restrict__ src_idx, int64_t n,
+                                           int64_t j, bool last_of_run, LastOf last_of,
+                                           int64_t& d, int64_t& s) {
+  if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return false;
+  if (last_of.last != nullptr &&
+      last_of.last[last_of.entry ? int64_t{last_of.entry[j]} : dst_idx[j]] != j + 1) {
+    return false;
+  }
+  d = dst_idx ? dst_idx[j] : j;
+  s = src_idx ? src_idx[j] : j;
+  return true;
+}
+
 // Rows a team copies at once in copy_rows_kernel: one vector of each before any store, so a
 // lane keeps several reads in flight even when a row is a single vector per lane.
 constexpr int kRowsAtOnce = 4;
 
-// The copy kernel works warp by warp on 32 consecutive work items (see for_each_item for the
-// order): each lane first resolves one item (its index entries and whether it writes: one
-// coalesced round of dependent loads for all 32, where a team resolving its own item would
-// wait for them before every row), then the warp's teams copy the items kRowsAtOnce at a time,
-// taking each item's rows from the lane that resolved it.
+// The copy kernel works warp by warp on 32 work items at a time (see for_each_item for what
+// an item is): each lane first resolves one item (its index entries and whether it writes: one
+// round of dependent loads for all 32, where a team resolving its own item would wait for them
+// before every row), then the warp's teams copy their items kRowsAtOnce at a time, taking each
+// item's rows from the lane that resolved it.
 template <typename V>
 __global__ void __launch_bounds__(kCappedThreads)
     copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
@@ -203,31 +229,21 @@ __global__ void __launch_bounds__(kCappedThreads)
   const int team_id = lane >> team_log2;
   const int teams = 32 >> team_log2;
   const int64_t items = n * t.count;
-  const int64_t warps = (int64_t{gridDim.x} * blockDim.x) >> 5;
-  for (int64_t base = ((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5) * 32; base < items;
-       base += warps * 32) {
+  // Team g of the grid's G takes items g, g + G, g + 2G, ... as it would copying one at a time,
+  // so the teams at work hold about G consecutive items (rows in address order when the index
+  // is sorted: on a multi-GiB host table, rows far apart in flight at once cost the GPU's
+  // address translation). Lane l resolves the warp's (l / teams)-th item of team l % teams.
+  const int64_t grid_teams = ((int64_t{gridDim.x} * blockDim.x) >> 5) * teams;
+  const int64_t first_team = ((int64_t{blockIdx.x} * blockDim.x + threadIdx.x) >> 5) * teams;
+  const int64_t per_round = grid_teams * (32 / teams);
+  for (int64_t base = first_team; base < items; base += per_round) {
     // This lane's item: table k, destination row d (-1: nothing to write), source row s.
-    const int64_t i = base + lane;
+    const int64_t i = base + (lane / teams) * grid_teams + (lane & (teams - 1));
     int k = 0;
     int64_t d = -1, s = 0;
     if (i < items) {
-      int64_t j = i;
-      if (t.count > 1 && t.row_major) {
-        j = i / t.count;
-        k = static_cast<int>(i - j * t.count);
-      } else if (t.count > 1) {
-        k = static_cast<int>(i / n);
-        j = i - k * n;
-      }
-      // a later position writes this row
-      const bool later =
-          (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) ||
-          (last_of.last != nullptr &&
-           last_of.last[last_of.entry ? int64_t{last_of.entry[j]} : dst_idx[j]] != j + 1);
-      if (!later) {
-        d = dst_idx ? dst_idx[j] : j;
-        s = src_idx ? src_idx[j] : j;
-      }
+      const int64_t j = position_of(i, t.count, t.row_major, n, k);
+      if (!writes_row(dst_idx, src_idx, n, j, last_of_run, last_of, d, s)) d = -1;
     }
     for (int first = 0; first < 32; first += teams * kRowsAtOnce) {
       const V* from[kRowsAtOnce];
@@ -259,6 +275,30 @@ __global__ void __launch_bounds__(kCappedThreads)
       }
     }
   }
+}
+
+// The copy kernel of capped launches (a transfer on a side stream beside training kernels,
+// set_transfer_sm_limit or a call's sms): a team resolves its own item before each row, one
+// row in flight per team. The callers' SM caps were tuned with it; the warp kernel above in
+// their place moved more bytes per SM and slowed the training step around it (the main job of
+// bench/RESULTS.md: 515-525 steps/s against 621-624).
+template <typename V>
+__global__ void __launch_bounds__(kCappedThreads)
+    copy_rows_team_kernel(Tables t, const int64_t* __restrict__ dst_idx,
+                          const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
+                          bool last_of_run, LastOf last_of,
+                          const int64_t* __restrict__ status,
+                          const int64_t* __restrict__ limit) {
+  n = limited(n, limit);
+  for_each_item(t.count, t.row_major, n, team_log2, status,
+                [&](int k, int64_t j, int lane, int team) {
+    int64_t d = 0, s = 0;
+    if (!writes_row(dst_idx, src_idx, n, j, last_of_run, last_of, d, s)) return;
+    const int64_t row_vecs = t.row_bytes[k] / static_cast<int64_t>(sizeof(V));
+    const V* from = reinterpret_cast<const V*>(t.src[k] + s * t.src_stride[k]);
+    V* to = reinterpret_cast<V*>(t.dst[k] + d * t.dst_stride[k]);
+    copy_row(from, row_vecs, lane, team, [&](int64_t c, const V& v) { to[c] = v; });
+  });
 }
 
 // Gather in sorted order, each distinct row read once: sorted[j] holds the rows in ascending
@@ -382,6 +422,12 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
   return by_vector_width(t, [&](auto vec) {
     using V = decltype(vec);
     const int team_log2 = team_log2_of<V>(t);
+    if (grid.capped) {  // one row per team: see copy_rows_team_kernel
+      const Shape shape = shape_for(n * t.count, team_log2, grid);
+      copy_rows_team_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
+          t, dst_idx, src_idx, n, team_log2, last_of_run, last_of, status, limit);
+      return cudaGetLastError();
+    }
     // a warp takes 32 items a round, whatever its teams
     const Shape shape = shape_for(n * t.count, 0, grid);
     copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
