@@ -63,7 +63,7 @@ def plot(results, path):
             ys = [sorted(r[kind][name])[len(r[kind][name]) // 2] for r in results]
             ax.bar([i + k * width for i in range(len(results))], ys, width, label=name)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], labels)
-        ax.set_ylabel("ms (median of rounds)")
+        ax.set_ylabel("ms (median over rounds; of two, the slower)")
         ax.set_title(f"{kind}: random rows of a pinned table, 16 CPU threads")
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
