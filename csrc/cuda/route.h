@@ -49,14 +49,14 @@ struct Call {
   // against 9.62; into 8 GiB the zero-copy kernels still won 1 M rows of 64 B (3.65 against
   // 6.69) and tied 128 B (3.57 against 3.57). With streaming stores on the CPU side
   // (bench/cpu_side.py), into 8 GiB CPU threads wrote 131 k rows of 512 B in 2.0-2.4 ms
-  // against 3.0-3.2 zero-copy and 512 k rows of 128 B in 3.1-3.8 against 4.5-4.7, while 1 M
-  // rows of 32-64 B still took 4.9-5.9 against 4.2-4.4.
+  // against 3.0-3.2 zero-copy and 512 k rows of 128 B in 3.1-3.8 (once 5.0) against 4.5-4.7,
+  // while 1 M rows of 32-64 B took 4.2-6.4 against 4.2-4.4.
   static constexpr int64_t kHostWriteMinSpan = int64_t{16} << 30;
   // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
-  // CPU alone (see route). Measured on the H100 (bench/cpu_side.py,
-  // 16 threads, a CPU index): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms through
-  // the CPU side alone against 2.17-2.27 split by the tuner, 512 k rows of 64 B from 24 GiB
-  // 1.39-1.69 against 1.66-2.06; 128 B rows tied, as did 512 B.
+  // CPU alone (see route). Measured on the H100 (bench/cpu_side.py, 16 threads, a CPU index,
+  // minimums of three rounds): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms
+  // through the CPU side alone against 2.17-2.27 split by the tuner, 512 k rows of 64 B from
+  // 24 GiB 1.39-1.69 against 1.66-2.06; 128 B rows tied, as did 512 B.
   static constexpr int64_t kNarrowRowBytes = 128;
 
   // Records one of the call's tables.
