@@ -40,8 +40,8 @@ struct Call {
   // against 1.77, 24 GiB in 3.98 against 1.85, and 128 B rows of 8 GiB in 4.04 against 2.47.
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
   // From this span up, write-backs alone (no load in the call) of rows narrower than
-  // kNarrowRowBytes into host-mapped tables go through the CPU; wider rows from
-  // hybrid_min_span up (see route).
+  // kNarrowRowBytes by a CUDA index into host-mapped tables go through the CPU; wider rows,
+  // and any rows by a CPU index, from hybrid_min_span up (see route).
   int64_t host_write_min_span = kHostWriteMinSpan;
   // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
   // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70

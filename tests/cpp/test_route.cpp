@@ -88,13 +88,16 @@ TEST_CASE("route: write-backs alone into a very wide host table go through the C
             Path::kHostStaged);
     auto narrower = changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan - 1; });
     REQUIRE(route(narrower) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    // narrow rows by a CUDA index from 16 GiB (by a CPU index from the hybrid's span)
     auto narrow_rows = changed(wb, [](Call& c) {
       c.row_bytes = Call::kNarrowRowBytes - 1;
       c.mapped_span = Call::kHostWriteMinSpan - 1;
     });
-    REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
+    REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHostStaged));
     narrow_rows.mapped_span = Call::kHostWriteMinSpan;
     REQUIRE(route(narrow_rows) == Path::kHostStaged);
+    narrow_rows.mapped_span = Call::kHybridMinSpan - 1;
+    REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
     narrower.hybrid_min_span = narrower.host_write_min_span = 1 << 20;  // the test hook
     REQUIRE(route(narrower) == Path::kHostStaged);
     auto with_load = wb;  // a swap keeps its split (or zero-copy)

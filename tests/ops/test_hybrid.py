@@ -329,7 +329,8 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
                                                           gen):
     """Loads of rows under 128 B from a table past the span threshold go through the CPU side
     alone (32 and 64 B rows staged with streaming stores, 100 B rows with memcpy): the same
-    rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back splits."""
+    rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back splits, a
+    write-back alone goes through the CPU."""
     data = random_rows((5000, row_floats), torch.float32, gen)
     table = pinned(data)
     place = (lambda i: i.cuda()) if on_device else (lambda i: i)
@@ -345,6 +346,10 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
     ref = last_wins_reference(data, wb, src)
     speedtorch_ops.optimizer_state_swap([table], [src], wb, index)
     assert torch.equal(table, ref) and torch.equal(src.cpu(), ref[index.cpu()])
+    # a write-back alone (through the CPU side alone, whatever the index's device)
+    src = random_rows((70000, row_floats), torch.float32, gen).cuda()
+    speedtorch_ops.pinned_scatter(table, wb, src)
+    assert torch.equal(table, last_wins_reference(ref, wb, src))
 
 
 @pytest.mark.parametrize("mode", ["deferred", "raise"])
