@@ -39,8 +39,8 @@ inline void copy_rows_cpu(char* dst, const char* src, int64_t row_bytes, int64_t
 // Writes to random rows of a large table (a scatter) that cover whole 64-byte cache lines can
 // bypass the cache: a streaming store writes the line without first reading it from memory (a
 // normal store's read-for-ownership), which halves the memory traffic of such writes and takes
-// the read's latency off each row. Only for tables far larger than a CPU's caches, whose
-// random rows would not be in cache anyway; other rows use memcpy.
+// the read's latency off each row. Only for tables larger than most CPUs' last-level caches,
+// whose random rows would seldom be in cache anyway; other rows use memcpy.
 constexpr int64_t kStreamMinTableBytes = int64_t{256} << 20;
 
 inline bool can_stream_rows(const void* table, int64_t row_bytes, int64_t table_bytes) {

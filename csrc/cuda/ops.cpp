@@ -98,10 +98,11 @@ void transfer(at::TensorList tables, at::TensorList batch,
               "writeback_index and load_index must both be on the CPU or both on ", device);
   TableSet t = address_all(tables, listed, device);
   int64_t min_rows = std::numeric_limits<int64_t>::max();
-  int64_t total_rb = 0;
+  int64_t total_rb = 0, widest_rb = 0;
   for (const auto& table : tables) {
     min_rows = std::min(min_rows, table.size(0));
     total_rb += row_bytes(table);
+    widest_rb = std::max(widest_rb, row_bytes(table));
   }
   const int64_t n_wb = writeback_index ? writeback_index->numel() : 0;
   const int64_t n_load = load_index ? load_index->numel() : 0;
@@ -112,7 +113,7 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.load_rows = n_load;
   t.call.writeback_rows = n_wb;
   t.call.moved_bytes = (n_wb + n_load) * total_rb;
-  t.call.row_bytes = total_rb;
+  t.call.row_bytes = widest_rb;
   t.call.hybrid_share = cuda_impl::fixed_share();
   t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
   t.call.host_write_min_span = cuda_impl::host_write_min_span();
@@ -239,6 +240,7 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   call.index_on_device = call.rows_on_device = call.presorted = true;
   call.capturing = capturing(device);
   call.load_rows = load ? sorted_rows.numel() : 0;
+  call.row_bytes = row_bytes(table);
   const Path path = route::route(call);
   TORCH_CHECK(path != Path::kHostStaged && path != Path::kRefusedCapture, "table is in pageable "
               "host memory, which _sorted_transfer cannot reach from the GPU; allocate it with "

@@ -16,8 +16,8 @@ constexpr int64_t kSortedLoadMin = 32768;
 
 // Write-backs into host-mapped tables wider than this go in sorted order (each distinct row
 // written once, by the last position of its run). Narrower ones go in the caller's order, the
-// last position of each row found by a hash instead of a sort: fewer launches and no sort's
-// host time, and random writes there are as fast as sorted ones. Measured on the H100
+// last position of each row marked first (launch_mark_last) instead of sorted: fewer launches
+// and no sort's host time, and random writes there are as fast as sorted ones. On the H100
 // (bench/sweep.py, 131 k random 512 B rows): a 1 GiB table took 1.358 ms by a plain unsorted
 // kernel against 1.423 sorted; an 8 GiB one 4.135 against 2.292.
 constexpr int64_t kUnsortedWriteMaxSpan = int64_t{1} << 30;

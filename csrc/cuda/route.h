@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 namespace speedtorch_ops::route {
 
@@ -29,7 +30,8 @@ struct Call {
   int64_t load_rows = 0;         // rows read from the tables into the batch
   int64_t writeback_rows = 0;    // rows written from the batch to the tables
   int64_t moved_bytes = 0;       // bytes moved in both directions, all tables together
-  int64_t row_bytes = 0;         // bytes of one row, all tables together
+  // bytes of a row of the call's widest table (unknown: counts as wide)
+  int64_t row_bytes = std::numeric_limits<int64_t>::max();
   double hybrid_share = -1.0;    // the hybrid test hook's fixed zero-copy share; < 0: automatic
   int64_t mapped_span = 0;       // bytes of the largest host-mapped table
   // From this span up, a CUDA index over host-mapped tables takes the hybrid path (see route).
@@ -41,7 +43,8 @@ struct Call {
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
   // From this span up, write-backs alone (no load in the call) of rows narrower than
   // kNarrowRowBytes by a CUDA index into host-mapped tables go through the CPU; wider rows,
-  // and any rows by a CPU index, from hybrid_min_span up (see route).
+  // and any rows by a CPU index, from hybrid_min_span up, or from this span if it is lower
+  // (see route).
   int64_t host_write_min_span = kHostWriteMinSpan;
   // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
   // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70

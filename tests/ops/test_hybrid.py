@@ -329,8 +329,9 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
                                                           gen):
     """Loads of rows under 128 B from a table past the span threshold go through the CPU side
     alone (32 and 64 B rows staged with streaming stores, 100 B rows with memcpy): the same
-    rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back splits, a
-    write-back alone goes through the CPU."""
+    rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back keeps its
+    route (the split for a CPU index, zero-copy for a CUDA one), a write-back alone goes
+    through the CPU. (Which path each call takes: tests/cpp/test_route.cpp.)"""
     data = random_rows((5000, row_floats), torch.float32, gen)
     table = pinned(data)
     place = (lambda i: i.cuda()) if on_device else (lambda i: i)

@@ -106,8 +106,9 @@ def test_scatter_into_a_table_past_the_caches(threads, gen):
     try:
         flat = random_rows(((256 << 20) // 4 + 64,), torch.float32, gen)
         for row_floats, offset in ((16, 0), (48, 0), (25, 0), (16, 4)):
-            rows = ((256 << 20) // 4) // row_floats
+            rows = -(-((256 << 20) // 4) // row_floats)  # at least 256 MiB
             view = flat[offset: offset + rows * row_floats].view(rows, row_floats)
+            assert view.nbytes >= 256 << 20
             before = view.clone()
             index = random_index(300_000, rows, torch.int64, "cpu", gen)
             index[-5000:] = index[:5000]  # duplicates certain, the later one wins
@@ -116,3 +117,21 @@ def test_scatter_into_a_table_past_the_caches(threads, gen):
             assert torch.equal(view, last_wins_reference(before, index, src)), (row_floats, offset)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("store", ["pinned", "cuda"])
+@pytest.mark.parametrize("rows", [32768, 32769, 200_000])
+@pytest.mark.parametrize("sms", [0, 4])
+def test_scatter_marks_last_positions_by_counters_or_hash(store, rows, sms, gen):
+    # 1,000 positions: a table of up to 32,768 rows (16 per hash entry) marks each row's last
+    # position in one counter per row, a larger one in a hash of the index; both in an
+    # uncapped launch and in one capped to 4 SMs (the per-team copy kernel).
+    data = random_rows((rows, 20), torch.float32, gen)
+    table = place(data, store)
+    index = random_index(1000, rows, torch.int64, store, gen)
+    index[500:] = index[:500]  # every row written twice, the later one wins
+    index[100] = rows - 1  # the highest counter
+    src = random_rows((1000, 20), torch.float32, gen).cuda()
+    with speedtorch_ops.transfer_sm_limit(sms):
+        speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src)), f"seed {gen.initial_seed()}"
