@@ -22,6 +22,22 @@ def timed(fn, reps, warmup=3):
     return statistics.median(times)
 
 
+def loop_ms(fn, calls=20, warmup=3):
+    """Milliseconds per call of `calls` calls of fn() queued back to back after `warmup`, CUDA
+    events around the loop: the GPU's rate, a call's host time counting only where it is the
+    longer."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def wall(fn, reps, warmup=3):
     """Median wall-clock milliseconds of fn() over `reps` runs after `warmup`, for work with a
     host part (CPU kernels, calls that wait): the GPU is synchronized around each run when

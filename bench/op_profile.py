@@ -22,6 +22,7 @@ from collections import defaultdict
 import torch
 
 import speedtorch_ops
+from _timing import loop_ms
 from _workloads import add_seed_shape, seed_workload
 
 
@@ -51,13 +52,7 @@ def profile(fn, calls):
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:90]] += e.device_time / calls
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return dict(kernels), start.elapsed_time(end) * 1e3 / calls
+    return dict(kernels), loop_ms(fn, calls, warmup=0) * 1e3
 
 
 def main():

@@ -12,20 +12,7 @@ import os
 import torch
 
 import speedtorch_ops
-from _timing import timed
-
-
-def loop_ms(fn, calls=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+from _timing import loop_ms, timed
 
 
 def main():

@@ -180,7 +180,7 @@ void move_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& ind
   at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t j = idx[i];
-      if (j < 0 || j >= slots) continue;  // the scratch slot, -1: nothing moves
+      if (j < 0 || j >= slots) continue;  // -1, or past the rows (a miss): nothing moves
       const int64_t to = take ? i : j, from = take ? j : i;
       for (int64_t k = 0; k < parts; ++k) {
         std::memcpy(out + k * dst_part + to * row, in + k * src_part + from * row, row);
