@@ -1,5 +1,5 @@
 """CUDA-resident tables: pinned_gather_into / pinned_scatter against index_select /
-index_copy_ on the same 1 GiB table, 131,072 random rows of 512, 128 and 64 B. ms per call in a
+index_copy_ on the same 1 GiB table, 131,072 random rows of 512, 128, 64 and 32 B. ms per call in a
 loop of 20 (the GPU's rate; a call's host time counts only where it is longer) and for one call
 alone (medians, CUDA events). Writes <out>/resident-<tag>.json.
 
@@ -24,7 +24,7 @@ def main():
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     results = []
-    for rb in (512, 128, 64):
+    for rb in (512, 128, 64, 32):
         rows, dim, n = (1 << 30) // rb, rb // 4, 131072
         table = torch.randn(rows, dim, device=dev)
         idx = torch.randint(0, rows, (n,), generator=gen).to(dev)

@@ -4,14 +4,18 @@
 
 #include "elementwise.cuh"
 
+#include <cooperative_groups.h>
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace speedtorch_ops::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 // A team of `team` threads (a power of two, at most a warp) per row, sized to the row's vectors,
 // so narrow rows do not leave most of a warp idle.
@@ -107,23 +111,29 @@ __device__ void record_deferred(const Deferred& d, int64_t pos, int64_t value, i
   r[0] = static_cast<int64_t>(reported + 1);
 }
 
+// Whether index value v (at position i) is in [0, rows); when not, flags it in status (the first
+// bad position found wins) and records it in `deferred` when that is given.
+__device__ __forceinline__ bool in_range_or_flag(int64_t v, int64_t i, int64_t rows, int arg,
+                                                 int64_t* __restrict__ status,
+                                                 const Deferred& deferred) {
+  if (v >= 0 && v < rows) return true;
+  auto* flag = reinterpret_cast<unsigned long long*>(status);
+  if (atomicCAS(flag, 0ull, 1ull) == 0ull) {
+    status[1] = arg;
+    status[2] = i;
+    status[3] = v;
+    if (deferred.claim != nullptr) record_deferred(deferred, i, v, rows);
+  }
+  return false;
+}
+
 __global__ void validate_kernel(const int64_t* __restrict__ idx, int64_t n, int64_t rows,
                                 int arg, int64_t* __restrict__ status,
                                 const int64_t* __restrict__ limit, Deferred deferred) {
   n = limited(n, limit);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t v = idx[i];
-    if (v < 0 || v >= rows) {
-      auto* flag = reinterpret_cast<unsigned long long*>(status);
-      if (atomicCAS(flag, 0ull, 1ull) == 0ull) {
-        status[1] = arg;
-        status[2] = i;
-        status[3] = v;
-        if (deferred.claim != nullptr) record_deferred(deferred, i, v, rows);
-      }
-      return;
-    }
+    if (!in_range_or_flag(idx[i], i, rows, arg, status, deferred)) return;
   }
 }
 
@@ -197,8 +207,9 @@ __device__ __forceinline__ bool writes_row(const int64_t* __restrict__ dst_idx,
                                            int64_t j, bool last_of_run, LastOf last_of,
                                            int64_t& d, int64_t& s) {
   if (last_of_run && j + 1 < n && dst_idx[j + 1] == dst_idx[j]) return false;
-  if (last_of.last != nullptr &&
-      last_of.last[last_of.entry ? int64_t{last_of.entry[j]} : dst_idx[j]] != j + 1) {
+  if (last_of.last != nullptr && last_of.last[dst_idx[j]] != j + 1) return false;
+  if (last_of.words != nullptr &&
+      static_cast<uint32_t>(last_of.words[last_of.entry[j]]) != static_cast<uint32_t>(j + 1)) {
     return false;
   }
   d = dst_idx ? dst_idx[j] : j;
@@ -217,13 +228,11 @@ constexpr int kRowsAtOnce = 4;
 // before every row), then the warp's teams copy their items kRowsAtOnce at a time, taking each
 // item's rows from the lane that resolved it.
 template <typename V>
-__global__ void __launch_bounds__(kCappedThreads)
-    copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
-                     const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
-                     bool last_of_run, LastOf last_of,
-                     const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
-  n = limited(n, limit);
-  if (status[0] != 0) return;  // a bad index: write nothing
+__device__ __forceinline__ void copy_items_by_warps(const Tables& t,
+                                                    const int64_t* __restrict__ dst_idx,
+                                                    const int64_t* __restrict__ src_idx,
+                                                    int64_t n, int team_log2, bool last_of_run,
+                                                    LastOf last_of) {
   const int lane = threadIdx.x & 31;
   const int team = 1 << team_log2;
   const int team_lane = lane & (team - 1);
@@ -278,6 +287,17 @@ __global__ void __launch_bounds__(kCappedThreads)
   }
 }
 
+template <typename V>
+__global__ void __launch_bounds__(kCappedThreads)
+    copy_rows_kernel(Tables t, const int64_t* __restrict__ dst_idx,
+                     const int64_t* __restrict__ src_idx, int64_t n, int team_log2,
+                     bool last_of_run, LastOf last_of,
+                     const int64_t* __restrict__ status, const int64_t* __restrict__ limit) {
+  n = limited(n, limit);
+  if (status[0] != 0) return;  // a bad index: write nothing
+  copy_items_by_warps<V>(t, dst_idx, src_idx, n, team_log2, last_of_run, last_of);
+}
+
 // The copy kernel of capped launches (a transfer on a side stream beside training kernels,
 // set_transfer_sm_limit or a call's sms): a team resolves its own item before each row, one
 // row in flight per team. The callers' SM caps were tuned with it; the warp kernel above in
@@ -325,27 +345,58 @@ __global__ void __launch_bounds__(kCappedThreads)
   });
 }
 
+// Where launch_mark_last and the fused scatter mark each row's last position: one counter per
+// table row (last), or a hash (`cap` words, then one entry per position).
+struct Marks {
+  int32_t* last = nullptr;
+  unsigned long long* words = nullptr;
+  int32_t* entry = nullptr;
+  int64_t cap = 0;
+};
+
 // For each i: finds or claims the entry of row idx[i] in an open-addressing hash of `cap`
-// entries (a power of two, at least twice n; keys hold row + 1, zeroed = free), raises its
-// last[] to i + 1 (atomicMax) and notes the entry in entry[i]. Runs after validation: with a
-// bad index it does nothing (nor does the copy that reads it).
+// words (a power of two, at least 4n, zeroed = free; see LastOf), raises the word's low half to
+// i + 1 and notes the entry in entry[i]. One word per entry, its row in the high half, so a
+// claim and a raise are one atomic each, and most positions need only the claim; at a quarter
+// full a warp's 32 positions rarely probe far (a warp waits for its longest probe sequence:
+// with two 8 + 4 B entries at half load, marking 131,072 positions took 16-20 us on the H100,
+// bench/RESULTS.md). Runs after validation: with a bad index it does nothing (nor does the
+// copy that reads it).
+__device__ __forceinline__ void mark_in_hash(int64_t row, int64_t i,
+                                             unsigned long long* __restrict__ words, int64_t cap,
+                                             int32_t* __restrict__ entry) {
+  const unsigned long long key = static_cast<unsigned long long>(row) + 1;  // below 2^32
+  const unsigned long long mine = key << 32 | static_cast<unsigned long long>(i + 1);
+  // Fibonacci hashing: consecutive rows land far apart.
+  uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 20;
+  for (;; ++h) {
+    h &= static_cast<uint64_t>(cap - 1);
+    const unsigned long long seen = atomicCAS(words + h, 0ull, mine);
+    if (seen == 0ull) break;
+    if (seen >> 32 == key) {  // the row's entry: the same high half, so the larger word wins
+      if (seen < mine) atomicMax(words + h, mine);
+      break;
+    }
+  }
+  entry[i] = static_cast<int32_t>(h);
+}
+
 __global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n,
-                                 unsigned long long* __restrict__ keys, int32_t* __restrict__ last,
-                                 int64_t cap, int32_t* __restrict__ entry,
-                                 const int64_t* __restrict__ status) {
+                                 unsigned long long* __restrict__ words, int64_t cap,
+                                 int32_t* __restrict__ entry, const int64_t* __restrict__ status) {
   if (status[0] != 0) return;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const unsigned long long key = static_cast<unsigned long long>(idx[i]) + 1;
-    // Fibonacci hashing: consecutive rows land far apart.
-    uint64_t h = (key * 0x9E3779B97F4A7C15ull) >> 20;
-    for (;; ++h) {
-      h &= static_cast<uint64_t>(cap - 1);
-      const unsigned long long seen = atomicCAS(keys + h, 0ull, key);
-      if (seen == 0ull || seen == key) break;
-    }
-    atomicMax(last + h, static_cast<int32_t>(i + 1));
-    entry[i] = static_cast<int32_t>(h);
+    mark_in_hash(idx[i], i, words, cap, entry);
+  }
+}
+
+// Marks position i of row `row` in `m` (counters or hash).
+__device__ __forceinline__ void mark(const Marks& m, int64_t row, int64_t i) {
+  if (m.words != nullptr) {
+    mark_in_hash(row, i, m.words, m.cap, m.entry);
+  } else {
+    atomicMax(m.last + row, static_cast<int32_t>(i + 1));
   }
 }
 
@@ -357,8 +408,44 @@ __global__ void mark_last_direct_kernel(const int64_t* __restrict__ idx, int64_t
   if (status[0] != 0) return;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    atomicMax(last + idx[i], static_cast<int32_t>(i + 1));
+    mark(Marks{last}, idx[i], i);
   }
+}
+
+// A whole scatter by one index in one cooperative launch (every block resident, grid-wide
+// barriers between the phases), where the separate path queues a status memset, a validation
+// kernel, a scratch memset, a marking kernel and the copy: on tables in device memory such a
+// call is bound by the host's time to queue them. Phases: (1) zero the status and the scratch
+// the marking reads: with one counter per table row only the counters of the index's rows
+// (the rest is never read), with a hash all of it; (2) check every index value (a bad one is
+// flagged and not marked) and mark each row's last position; (3) unless a value was bad, copy
+// the rows whose position is their row's last, as copy_rows_kernel does.
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+    scatter_fused_kernel(Tables t, const int64_t* __restrict__ idx, int64_t n, int64_t rows,
+                         int team_log2, int arg, Marks marks, int64_t* __restrict__ status,
+                         Deferred deferred) {
+  const cg::grid_group grid = cg::this_grid();
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  if (first < kStatusWords) status[first] = 0;
+  if (marks.words != nullptr) {
+    for (int64_t h = first; h < marks.cap; h += stride) marks.words[h] = 0;
+  } else {
+    for (int64_t i = first; i < n; i += stride) {
+      const int64_t v = idx[i];
+      if (v >= 0 && v < rows) marks.last[v] = 0;
+    }
+  }
+  grid.sync();
+  for (int64_t i = first; i < n; i += stride) {
+    const int64_t v = idx[i];
+    if (in_range_or_flag(v, i, rows, arg, status, deferred)) mark(marks, v, i);
+  }
+  grid.sync();
+  if (*static_cast<volatile int64_t*>(status) != 0) return;  // a bad index: write nothing
+  copy_items_by_warps<V>(t, idx, nullptr, n, team_log2, /*last_of_run=*/false,
+                         LastOf{marks.last, marks.words, marks.entry});
 }
 
 // Addition in the element's own type, rounded after every step like torch's index_add_ on
@@ -421,7 +508,8 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
                              const int64_t* status, Grid grid, cudaStream_t stream,
                              const int64_t* limit) {
   // both filters read the destination rows
-  if ((last_of_run || last_of.last != nullptr) && dst_idx == nullptr) {
+  if ((last_of_run || last_of.last != nullptr || last_of.words != nullptr) &&
+      dst_idx == nullptr) {
     return cudaErrorInvalidValue;
   }
   return by_vector_width(t, [&](auto vec) {
@@ -446,15 +534,15 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
 
 static int64_t last_of_entries(int64_t n) {
   int64_t cap = 1;
-  while (cap < 2 * n) cap <<= 1;
+  while (cap < 4 * n) cap <<= 1;
   return cap;
 }
 
-// One counter per row while the table has at most this many rows per hash entry: on the H100
-// (bench/op_profile.py, 131,072 positions) marking a hash took 11.5 us and zeroing its 3 MB
-// 2.9 us, where an atomicMax per position on per-row counters takes about 3 us and zeroing 8 MB
-// of them about 3 us.
-constexpr int64_t kDirectRowsPerEntry = 16;
+// One counter per row while the table has at most this many rows per hash entry (a memset of
+// at most 32 B per entry where the hash's is 8 B): on the H100 (bench/op_profile.py, 131,072
+// positions) an atomicMax per position on per-row counters took about 3 us and zeroing 8 MB of
+// them about 3 us, where the older hash (two arrays at half load) took 11.5 us to mark.
+constexpr int64_t kDirectRowsPerEntry = 8;
 // ... and at most this many rows (64 MiB of counters), so a huge index beside a huge table
 // does not zero gigabytes.
 constexpr int64_t kDirectMaxRows = int64_t{1} << 24;
@@ -465,32 +553,103 @@ static bool direct_marks(int64_t n, int64_t rows) {
 
 int64_t last_of_bytes(int64_t n, int64_t rows) {
   if (direct_marks(n, rows)) return rows * int64_t{sizeof(int32_t)};
-  return last_of_entries(n) * int64_t{sizeof(unsigned long long) + sizeof(int32_t)} +
+  return last_of_entries(n) * int64_t{sizeof(unsigned long long)} +
          n * int64_t{sizeof(int32_t)};
+}
+
+// The marks for n positions below `rows` in `scratch` (last_of_bytes(n, rows)).
+static Marks marks_in(void* scratch, int64_t n, int64_t rows) {
+  if (direct_marks(n, rows)) return Marks{static_cast<int32_t*>(scratch)};
+  Marks m;
+  m.cap = last_of_entries(n);
+  m.words = static_cast<unsigned long long*>(scratch);
+  m.entry = reinterpret_cast<int32_t*>(m.words + m.cap);
+  return m;
+}
+
+bool can_mark_last(int64_t n, int64_t rows) {
+  return n <= kLastOfMaxRows && rows <= kLastOfMaxTableRows;
 }
 
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int64_t rows, void* scratch,
                              const int64_t* status, cudaStream_t stream, LastOf* last_of) {
-  if (direct_marks(n, rows)) {
-    auto* last = static_cast<int32_t*>(scratch);
-    cudaError_t err = cudaMemsetAsync(scratch, 0, rows * sizeof(*last), stream);
+  const Marks m = marks_in(scratch, n, rows);
+  *last_of = {m.last, m.words, m.entry};
+  if (m.words == nullptr) {
+    cudaError_t err = cudaMemsetAsync(scratch, 0, rows * sizeof(*m.last), stream);
     if (err != cudaSuccess) return err;
-    mark_last_direct_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, last,
+    mark_last_direct_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, m.last,
                                                                               status);
-    *last_of = {last, nullptr};
     return cudaGetLastError();
   }
-  const int64_t cap = last_of_entries(n);
-  auto* keys = static_cast<unsigned long long*>(scratch);
-  auto* last = reinterpret_cast<int32_t*>(keys + cap);
-  int32_t* entry = last + cap;
-  // Only the keys and last[] need zeros; entry[] is written for every position.
-  cudaError_t err = cudaMemsetAsync(scratch, 0, cap * (sizeof(*keys) + sizeof(*last)), stream);
+  // Only the words need zeros; entry[] is written for every position.
+  cudaError_t err = cudaMemsetAsync(scratch, 0, m.cap * sizeof(*m.words), stream);
   if (err != cudaSuccess) return err;
-  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, keys, last, cap,
-                                                                     entry, status);
-  *last_of = {last, entry};
+  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, m.words, m.cap,
+                                                                     m.entry, status);
   return cudaGetLastError();
+}
+
+// A constant of a device found once per process: find() (nonzero) on the first call for
+// `device`, its value after; 0 for a device past the table. Each caller keeps its own table.
+constexpr int kMaxDevices = 64;
+template <typename Find>
+int once_per_device(std::atomic<int> (&known)[kMaxDevices], int device, const Find& find) {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int value = known[device].load();
+  if (value == 0) {
+    value = find();
+    known[device].store(value);
+  }
+  return value;
+}
+
+// The blocks of scatter_fused_kernel<V> one SM holds at once (a cooperative grid must not have
+// more), found once: the occupancy query would otherwise cost every call host time, the very
+// thing the kernel saves. -1: none (the query failed).
+template <typename V>
+int fused_blocks_per_sm(int device) {
+  static std::atomic<int> known[kMaxDevices] = {};
+  return once_per_device(known, device, [] {
+    int blocks = 0;
+    const bool ok = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                        &blocks, scatter_fused_kernel<V>, kThreads, 0) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok && blocks > 0 ? blocks : -1;
+  });
+}
+
+bool fused_scatter_supported(int device) {
+  static std::atomic<int> known[kMaxDevices] = {};
+  return once_per_device(known, device, [device] {
+    int attr = 0;
+    const bool ok = cudaDeviceGetAttribute(&attr, cudaDevAttrCooperativeLaunch, device) ==
+                    cudaSuccess;
+    (void)cudaGetLastError();
+    return ok && attr != 0 ? 1 : -1;
+  }) == 1;
+}
+
+cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n, int64_t rows,
+                                 int arg, void* scratch, int64_t* status, Deferred deferred,
+                                 int device, int sms, cudaStream_t stream) {
+  if (n <= 0 || !can_mark_last(n, rows)) return cudaErrorInvalidValue;
+  return by_vector_width(t, [&](auto vec) {
+    using V = decltype(vec);
+    const int per_sm = fused_blocks_per_sm<V>(device);
+    if (per_sm <= 0) return cudaErrorNotSupported;
+    int team_log2 = team_log2_of<V>(t);
+    // One thread per position in the marking phases, one per item in the copy (a warp takes
+    // 32 items a round); never more blocks than the device holds at once.
+    const int64_t needed = (n * t.count + kThreads - 1) / kThreads;
+    int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed,
+                                                                          int64_t{per_sm} * sms)));
+    Marks marks = marks_in(scratch, n, rows);
+    Tables tables = t;
+    void* args[] = {&tables, &idx, &n, &rows, &team_log2, &arg, &marks, &status, &deferred};
+    return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(scatter_fused_kernel<V>), blocks,
+                                       kThreads, args, 0, stream);
+  });
 }
 
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,

@@ -79,10 +79,12 @@ cudaError_t sort_pairs(void* temp, size_t* temp_bytes, const int64_t* keys_in, i
                        cudaStream_t stream);
 
 // The last position of each distinct row of an index, found without a sort (launch_mark_last):
-// position j is its row's last when last[entry[j]] == j + 1, or, with no entry (one counter
-// per table row), when last[dst row of j] == j + 1. last nullptr: no such filter.
+// with one counter per table row, position j is its row's last when last[dst row of j] ==
+// j + 1; with a hash, when the low half of words[entry[j]] is j + 1 (its high half holds the
+// row + 1). Both nullptr: no such filter.
 struct LastOf {
   const int32_t* last = nullptr;
+  const unsigned long long* words = nullptr;
   const int32_t* entry = nullptr;
 };
 
@@ -97,19 +99,38 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
 
 // @brief Device scratch bytes launch_mark_last needs for an index of n positions whose values
 // are below `rows`: one counter per row when there are few enough rows that zeroing them costs
-// less than a hash's extra work, else a hash of about 2n to 4n entries plus one int32 per
+// less than a hash's extra work, else a hash of 4n to 8n words (8 B) plus one int32 per
 // position (independent of the table's size).
 int64_t last_of_bytes(int64_t n, int64_t rows);
 
-// The most positions launch_mark_last takes (its counters and hash entries are int32).
-constexpr int64_t kLastOfMaxRows = int64_t{1} << 30;
+// The most positions launch_mark_last takes (its counters and hash entries are int32, and a
+// hash has 4 to 8 entries a position) and the most table rows (a hash word holds row + 1 in 32
+// bits); can_mark_last(n, rows) says whether both hold. Longer indices or larger tables sort.
+constexpr int64_t kLastOfMaxRows = int64_t{1} << 28;
+constexpr int64_t kLastOfMaxTableRows = (int64_t{1} << 32) - 1;
+bool can_mark_last(int64_t n, int64_t rows);
 
-// Marks the last position of each distinct row of idx[0, n) (n <= kLastOfMaxRows, values below
-// `rows`) in `scratch` (last_of_bytes(n, rows), any contents: zeroed here), so a scatter lets
+// Marks the last position of each distinct row of idx[0, n) (can_mark_last(n, rows), values
+// below `rows`) in `scratch` (last_of_bytes(n, rows), any contents: zeroed here), so a scatter lets
 // the last duplicate win without a sort; sets *last_of for launch_copy_rows. A memset and one
 // kernel.
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int64_t rows, void* scratch,
                              const int64_t* status, cudaStream_t stream, LastOf* last_of);
+
+// @brief Whether `device` runs cooperative launches (launch_scatter_fused needs them).
+bool fused_scatter_supported(int device);
+
+// For every table: dst row idx[j] = src row j, the last position of a repeated row winning, in
+// one cooperative launch on `device` (whose current grid has `sms` SMs) that also zeroes
+// `status` (kStatusWords, the caller reads it after) and checks every idx[j] against `rows`
+// like launch_validate (a bad one: nothing is written). It marks as launch_mark_last does, in
+// `scratch` of last_of_bytes(n, rows) bytes, any contents (zeroing only the counters of the
+// index's rows). 0 < n, can_mark_last(n, rows). cudaErrorCooperativeLaunchTooLarge or
+// cudaErrorNotSupported (nothing queued): the device cannot run this grid at once (e.g. an MPS
+// client's share of the SMs); the separate kernels can.
+cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n, int64_t rows,
+                                 int arg, void* scratch, int64_t* status, Deferred deferred,
+                                 int device, int sms, cudaStream_t stream);
 
 // For every table: dst row perm[j] = src row sorted[j] for j in [0, n), with `sorted` ascending:
 // rows are read in address order and each distinct row once (a repeated row crosses PCIe once).

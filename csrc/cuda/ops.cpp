@@ -148,6 +148,15 @@ void transfer(at::TensorList tables, at::TensorList batch,
                                on_host(load_index, load_name), accumulate, path, device);
     return;
   }
+  // A write-back alone by a CUDA index into tables in device memory: one kernel does it all,
+  // as such a call's time is the host's time to queue the separate kernels.
+  if (path == Path::kDevice && writeback_index && !load_index && writeback_index->is_cuda() &&
+      !accumulate && cuda_impl::can_scatter_fused(pairs, n_wb, min_rows, t.call.moved_bytes,
+                                                 t.call.capturing, device) &&
+      cuda_impl::scatter_fused(pairs, *writeback_index, min_rows, wb_name,
+                               cuda_impl::report_for(mode, t.call.capturing), device)) {
+    return;
+  }
   Validation v(device, cuda_impl::report_for(mode, t.call.capturing));
   const auto on_device = [&](const std::optional<at::Tensor>& index, const char* name) {
     std::optional<DeviceIndex> di;

@@ -1,5 +1,7 @@
 #include "transfer.h"
 
+#include "launch.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -142,7 +144,7 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
     return;
   }
   if (path != route::Path::kZeroCopySorted && index.slots() == nullptr &&
-      index.limit() == nullptr && n <= cuda::kLastOfMaxRows) {
+      index.limit() == nullptr && cuda::can_mark_last(n, index.bound())) {
     const auto& rows = index.rows();
     const int64_t bound = index.bound();
     auto scratch = at::empty({cuda::last_of_bytes(n, bound)}, rows.options().dtype(at::kByte));
@@ -166,6 +168,47 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
                                           /*last_of_run=*/true, cuda::LastOf{}, v.status(), v.grid(),
                                           v.stream(), index.limit()));
   });
+}
+
+// Write-backs of more bytes or positions than these take the separate kernels: their copy
+// kernel, in a grid that need not be resident at once, moves bytes faster, and past these
+// sizes a call's GPU time is longer than its host time. On the H100 (bench/resident.py,
+// 131,072 random rows of a 1 GiB table, loops of 20 calls): 64 MiB (512 B rows) took
+// 0.0681-0.0701 ms fused against 0.0674-0.0699 separate; 16 MiB (128 B rows) 0.031 against
+// 0.040, 8 MiB (64 B) 0.025-0.026 against 0.036-0.037, 4 MiB (32 B) 0.022 against 0.034.
+constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
+constexpr int64_t kFusedMaxPositions = int64_t{1} << 20;
+
+bool can_scatter_fused(const std::vector<Pair>& pairs, int64_t n, int64_t rows,
+                       int64_t moved_bytes, bool capturing, const c10::Device& device) {
+  return n > 0 && n <= kFusedMaxPositions && moved_bytes <= kFusedMaxBytes &&
+         cuda::can_mark_last(n, rows) && !capturing &&
+         pairs.size() <= static_cast<size_t>(cuda::kMaxTables) &&
+         !transfer_grid(device).capped && cuda::fused_scatter_supported(device.index());
+}
+
+bool scatter_fused(const std::vector<Pair>& pairs, const at::Tensor& index, int64_t rows,
+                   const char* name, Report report, const c10::Device& device) {
+  TORCH_INTERNAL_ASSERT(pairs.size() <= static_cast<size_t>(cuda::kMaxTables));
+  const auto idx = index.to(at::kLong).contiguous();
+  const int64_t n = idx.numel();
+  auto v = Validation::fused(device, report, cuda::last_of_bytes(n, rows));
+  const cuda::Deferred deferred = v.add_checked_by_kernel(name, rows);
+  cudaError_t err = cudaSuccess;
+  for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
+    err = cuda::launch_scatter_fused(t, idx.const_data_ptr<int64_t>(), n, rows, /*arg=*/0,
+                                     v.scratch(), v.mutable_status(), deferred, device.index(),
+                                     v.grid().sms, v.stream());
+  });
+  if (err == cudaErrorCooperativeLaunchTooLarge || err == cudaErrorNotSupported) {
+    // A refused launch queues nothing; the caller takes the separate kernels. Its error is
+    // also the runtime's last error, which a later launch check would otherwise report.
+    (void)cudaGetLastError();
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  v.raise_if_bad();
+  return true;
 }
 
 }  // namespace speedtorch_ops::cuda_impl

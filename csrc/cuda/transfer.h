@@ -83,4 +83,21 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
 void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Path path,
                    const at::Tensor& like, bool accumulate, const Validation& v);
 
+// @brief Whether scatter_fused takes a write-back alone (no accumulate) of n positions
+// (moved_bytes in all) by a CUDA index into `pairs`, tables in device memory
+// (route::Path::kDevice) of at least `rows` rows, on `device`: calls of a few MiB (larger ones
+// are GPU-bound), not while capturing (a graph replays the separate kernels at no host cost),
+// not under an SM cap (the separate kernels keep to it), where cooperative launches run.
+bool can_scatter_fused(const std::vector<Pair>& pairs, int64_t n, int64_t rows,
+                       int64_t moved_bytes, bool capturing, const c10::Device& device);
+
+// @brief table[k][index[j]] = batch[k][j] for every pair, the last position of a repeated row
+// winning, by one cooperative kernel that also checks `index` against `rows` (a bad value is
+// reported as `name`, the `report` way; nothing is written) and zeroes its own status and
+// scratch: two queued commands (the allocation and the launch) where a Validation and
+// scatter_pairs queue seven. Raises for a bad index when `report` waits. Returns false, having
+// queued nothing, where the device cannot hold the kernel's grid at once.
+bool scatter_fused(const std::vector<Pair>& pairs, const at::Tensor& index, int64_t rows,
+                   const char* name, Report report, const c10::Device& device);
+
 }  // namespace speedtorch_ops::cuda_impl

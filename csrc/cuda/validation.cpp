@@ -26,6 +26,27 @@ Validation::Validation(const c10::Device& device, Report report, int64_t sms)
   C10_CUDA_CHECK(cudaMemsetAsync(status_.mutable_data_ptr(), 0, status_.nbytes(), stream_));
 }
 
+Validation::Validation(const c10::Device& device, Report report, int64_t extra_bytes, Unzeroed)
+    : stream_(at::cuda::getCurrentCUDAStream(device.index())),
+      grid_(transfer_grid(device)),
+      // int64 words, so the scratch after the status keeps 8-byte alignment
+      status_(at::empty({cuda::kStatusWords + (extra_bytes + 7) / 8},
+                        at::TensorOptions(at::kLong).device(device))),
+      device_(device),
+      report_(report) {}
+
+Validation Validation::fused(const c10::Device& device, Report report, int64_t scratch_bytes) {
+  return Validation(device, report, scratch_bytes, Unzeroed{});
+}
+
+cuda::Deferred Validation::add_checked_by_kernel(const char* name, int64_t rows) {
+  TORCH_INTERNAL_ASSERT(count_ == 0, "a fused kernel checks a call's only index");
+  names_[count_] = name;
+  rows_[count_] = rows;
+  ++count_;
+  return report_ == Report::kDeferred ? deferred_record(device_, name) : cuda::Deferred{};
+}
+
 at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* name,
                            const int64_t* limit) {
   TORCH_INTERNAL_ASSERT(count_ < static_cast<int>(names_.size()));
@@ -45,7 +66,9 @@ at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* na
 
 void Validation::raise_if_bad() const {
   if (count_ == 0 || report_ != Report::kWait) return;
-  const auto host = status_.cpu();  // waits for this stream: the validation kernels' result
+  // waits for this stream: the validation kernels' result (the status words alone, not a
+  // fused kernel's scratch after them)
+  const auto host = status_.narrow(0, 0, cuda::kStatusWords).cpu();
   const int64_t* s = host.const_data_ptr<int64_t>();
   TORCH_CHECK(s[0] == 0, names_[s[1]], "[", s[2], "] = ", s[3], " is out of range for a table of ",
               rows_[s[1]], " rows; every index must be in [0, ", rows_[s[1]],

@@ -29,12 +29,25 @@ class Validation {
   // sms > 0: the call's transfer kernels use at most that many SMs (see transfer_grid).
   Validation(const c10::Device& device, Report report, int64_t sms = 0);
 
+  // @brief For a call whose one CUDA index a fused kernel checks itself
+  // (cuda::launch_scatter_fused): the status and that kernel's `scratch_bytes` of scratch are
+  // one allocation, and the kernel zeroes the status (no memset queued here).
+  static Validation fused(const c10::Device& device, Report report, int64_t scratch_bytes);
+
   // @brief The index as contiguous int64 on the device, queued for validation against `rows`
   // (its first *limit entries only, when limit is a device pointer).
   at::Tensor add(const at::Tensor& index, int64_t rows, const char* name,
                  const int64_t* limit = nullptr);
 
+  // @brief Records that the fused kernel checks the call's only index, called `name`, against
+  // `rows` (its argument id in the status: 0); the deferred record that kernel fills for a bad
+  // value.
+  cuda::Deferred add_checked_by_kernel(const char* name, int64_t rows);
+
   const int64_t* status() const { return status_.const_data_ptr<int64_t>(); }
+  int64_t* mutable_status() { return status_.mutable_data_ptr<int64_t>(); }
+  // The fused kernel's scratch (Validation::fused), after the status words.
+  void* scratch() { return status_.mutable_data_ptr<int64_t>() + cuda::kStatusWords; }
   at::cuda::CUDAStream stream() const { return stream_; }
   cuda::Grid grid() const { return grid_; }
 
@@ -48,6 +61,8 @@ class Validation {
   at::Tensor status_;
   c10::Device device_;
   Report report_;
+  struct Unzeroed {};
+  Validation(const c10::Device& device, Report report, int64_t extra_bytes, Unzeroed);
   std::array<const char*, 2> names_{};
   std::array<int64_t, 2> rows_{};
   int count_ = 0;

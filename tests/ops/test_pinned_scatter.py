@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import speedtorch_ops
-from conftest import (DTYPES, ROW_SHAPES, STORES, last_wins_reference, place, random_index,
-                      random_rows, sequential_add_reference)
+from conftest import (DTYPES, ROW_SHAPES, STORES, last_wins_reference, needs_cuda, place,
+                      random_index, random_rows, sequential_add_reference)
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -123,7 +123,7 @@ def test_scatter_into_a_table_past_the_caches(threads, gen):
 @pytest.mark.parametrize("rows", [32768, 32769, 200_000])
 @pytest.mark.parametrize("sms", [0, 4])
 def test_scatter_marks_last_positions_by_counters_or_hash(store, rows, sms, gen):
-    # 1,000 positions: a table of up to 32,768 rows (16 per hash entry) marks each row's last
+    # 1,000 positions: a table of up to 32,768 rows (8 per hash entry) marks each row's last
     # position in one counter per row, a larger one in a hash of the index; both in an
     # uncapped launch and in one capped to 4 SMs (the per-team copy kernel).
     data = random_rows((rows, 20), torch.float32, gen)
@@ -135,3 +135,79 @@ def test_scatter_marks_last_positions_by_counters_or_hash(store, rows, sms, gen)
     with speedtorch_ops.transfer_sm_limit(sms):
         speedtorch_ops.pinned_scatter(table, index, src)
     assert torch.equal(table.cpu(), last_wins_reference(data, index, src)), f"seed {gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("rows,n,dim", [(1000, 4000, 5), (131072, 4000, 5), (131073, 4000, 5),
+                                        (3_000_000, 400_000, 4)])
+@pytest.mark.parametrize("mode", ["deferred", "raise", "prechecked"])
+@pytest.mark.parametrize("tables", [1, 3])
+def test_cuda_tables_written_back_by_one_kernel(rows, n, dim, mode, tables, gen):
+    # A write-back alone by a CUDA index into CUDA tables is one cooperative kernel that checks
+    # the index, marks each row's last position and copies: every row written at least twice,
+    # the later wins; then the same with one bad value, which writes nothing to any table.
+    # Marks: one counter per row up to 8 per hash entry (131,072 rows for 4,000 positions), a
+    # hash past that. 400,000 positions take more than the grid's threads (its loops go
+    # round); rows of 20 B copy in 4 B words, of 16 B in 16 B vectors.
+    needs_cuda("cuda")
+    data = [random_rows((rows, dim), torch.float32, gen) for _ in range(tables)]
+    stores = [place(d, "cuda") for d in data]
+    index = random_index(n, rows, torch.int32, "cuda", gen)
+    index[n // 2:] = index[:n // 2].flip(0)
+    index[7] = rows - 1  # the highest counter
+    batch = [random_rows((n, dim), torch.float32, gen).cuda() for _ in range(tables)]
+
+    def write_back():
+        if tables == 1:
+            speedtorch_ops.pinned_scatter(stores[0], index, batch[0], bounds_check=mode)
+        else:
+            speedtorch_ops.optimizer_state_swap(stores, batch, index, None, bounds_check=mode)
+
+    write_back()
+    for d, s, b in zip(data, stores, batch):
+        d.copy_(last_wins_reference(d, index, b))
+        assert torch.equal(s.cpu(), d), f"seed {gen.initial_seed()}"
+    bad = n // 3
+    index[bad] = -1  # a bad value mid-index, good ones on both sides
+    batch = [b + 1 for b in batch]
+    message = f"\\[{bad}\\] = -1 is out of range"
+    if mode == "raise":
+        with pytest.raises(RuntimeError, match=message):
+            write_back()
+    else:
+        write_back()
+        if mode == "deferred":
+            with pytest.raises(RuntimeError, match=message):
+                speedtorch_ops.sync_bounds_check()
+    for d, s in zip(data, stores):
+        assert torch.equal(s.cpu(), d), f"a bad index wrote (seed {gen.initial_seed()})"
+
+
+@pytest.mark.parametrize("sms,capturing", [(0, False), (4, False), (0, True)])
+def test_which_cuda_table_write_backs_take_one_kernel(sms, capturing, gen):
+    # The kernels a CUDA-table write-back queues (torch.profiler): the one cooperative kernel
+    # uncapped; the validation, marking and copy kernels under an SM cap or while a CUDA graph
+    # is captured (the graph's replay then costs no host time).
+    needs_cuda("cuda")
+    table = place(random_rows((5000, 8), torch.float32, gen), "cuda")
+    index = random_index(3000, 5000, torch.int64, "cuda", gen)
+    src = random_rows((3000, 8), torch.float32, gen).cuda()
+
+    def call():
+        with speedtorch_ops.transfer_sm_limit(sms):
+            speedtorch_ops.pinned_scatter(table, index, src)
+
+    call()  # warm-up (outside any capture)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        if capturing:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            graph.replay()
+        else:
+            call()
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    fused = not capturing and sms == 0
+    assert ("scatter_fused_kernel" in names) == fused, names
+    assert ("validate_kernel" in names) != fused, names
