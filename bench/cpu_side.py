@@ -11,6 +11,7 @@ Medians in ms (wall clock for CPU-only work, CUDA events otherwise), every round
 GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png.
 
     python3 bench/cpu_side.py [--tag T] [--rounds 2] [--reps 9] [--out bench/results]
+                              [--row-bytes 512 ...]
 """
 import argparse
 import json
@@ -76,6 +77,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--row-bytes", type=int, nargs="*", help="only the cases of these row sizes")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -83,7 +85,7 @@ def main():
     buf = speedtorch_ops.empty_pinned((24 * GIB // 4,), torch.float32)
     print(f"{a.tag}: {torch.get_num_threads()} CPU threads", flush=True)
     results = []
-    for span, rb, n in CASES:
+    for span, rb, n in [c for c in CASES if not a.row_bytes or c[1] in a.row_bytes]:
         rows, dim = span * GIB // rb, rb // 4
         t = buf[: rows * dim].view(rows, dim)
         idx_cpu = torch.randint(0, rows, (n,), generator=gen)
