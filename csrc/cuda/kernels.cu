@@ -352,16 +352,18 @@ struct Marks {
   unsigned long long* words = nullptr;
   int32_t* entry = nullptr;
   int64_t cap = 0;
+
+  // What the copy reads of them.
+  __host__ __device__ LastOf read() const { return {last, words, entry}; }
 };
 
-// For each i: finds or claims the entry of row idx[i] in an open-addressing hash of `cap`
-// words (a power of two, at least 4n, zeroed = free; see LastOf), raises the word's low half to
+// Finds or claims the entry of `row` in an open-addressing hash of `cap` words (a power of
+// two, at least 4n, zeroed = free; see LastOf) for position i, raises the word's low half to
 // i + 1 and notes the entry in entry[i]. One word per entry, its row in the high half, so a
 // claim and a raise are one atomic each, and most positions need only the claim; at a quarter
 // full a warp's 32 positions rarely probe far (a warp waits for its longest probe sequence:
 // with two 8 + 4 B entries at half load, marking 131,072 positions took 16-20 us on the H100,
-// bench/RESULTS.md). Runs after validation: with a bad index it does nothing (nor does the
-// copy that reads it).
+// bench/RESULTS.md).
 __device__ __forceinline__ void mark_in_hash(int64_t row, int64_t i,
                                              unsigned long long* __restrict__ words, int64_t cap,
                                              int32_t* __restrict__ entry) {
@@ -381,16 +383,6 @@ __device__ __forceinline__ void mark_in_hash(int64_t row, int64_t i,
   entry[i] = static_cast<int32_t>(h);
 }
 
-__global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n,
-                                 unsigned long long* __restrict__ words, int64_t cap,
-                                 int32_t* __restrict__ entry, const int64_t* __restrict__ status) {
-  if (status[0] != 0) return;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    mark_in_hash(idx[i], i, words, cap, entry);
-  }
-}
-
 // Marks position i of row `row` in `m` (counters or hash).
 __device__ __forceinline__ void mark(const Marks& m, int64_t row, int64_t i) {
   if (m.words != nullptr) {
@@ -400,15 +392,14 @@ __device__ __forceinline__ void mark(const Marks& m, int64_t row, int64_t i) {
   }
 }
 
-// Raises last[idx[i]] to i + 1 for each i: one counter per table row. Runs after validation:
-// with a bad index it does nothing (nor does the copy that reads it).
-__global__ void mark_last_direct_kernel(const int64_t* __restrict__ idx, int64_t n,
-                                        int32_t* __restrict__ last,
-                                        const int64_t* __restrict__ status) {
+// Marks each position i of idx in `m`. Runs after validation: with a bad index it does nothing
+// (nor does the copy that reads the marks).
+__global__ void mark_last_kernel(const int64_t* __restrict__ idx, int64_t n, Marks m,
+                                 const int64_t* __restrict__ status) {
   if (status[0] != 0) return;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
-    mark(Marks{last}, idx[i], i);
+    mark(m, idx[i], i);
   }
 }
 
@@ -445,7 +436,7 @@ __global__ void __launch_bounds__(kThreads)
   grid.sync();
   if (*static_cast<volatile int64_t*>(status) != 0) return;  // a bad index: write nothing
   copy_items_by_warps<V>(t, idx, nullptr, n, team_log2, /*last_of_run=*/false,
-                         LastOf{marks.last, marks.words, marks.entry});
+                         marks.read());
 }
 
 // Addition in the element's own type, rounded after every step like torch's index_add_ on
@@ -574,19 +565,12 @@ bool can_mark_last(int64_t n, int64_t rows) {
 cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int64_t rows, void* scratch,
                              const int64_t* status, cudaStream_t stream, LastOf* last_of) {
   const Marks m = marks_in(scratch, n, rows);
-  *last_of = {m.last, m.words, m.entry};
-  if (m.words == nullptr) {
-    cudaError_t err = cudaMemsetAsync(scratch, 0, rows * sizeof(*m.last), stream);
-    if (err != cudaSuccess) return err;
-    mark_last_direct_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, m.last,
-                                                                              status);
-    return cudaGetLastError();
-  }
-  // Only the words need zeros; entry[] is written for every position.
-  cudaError_t err = cudaMemsetAsync(scratch, 0, m.cap * sizeof(*m.words), stream);
+  *last_of = m.read();
+  // The counters, or the hash's words, need zeros; entry[] is written for every position.
+  const size_t zeroed = m.words != nullptr ? m.cap * sizeof(*m.words) : rows * sizeof(*m.last);
+  cudaError_t err = cudaMemsetAsync(scratch, 0, zeroed, stream);
   if (err != cudaSuccess) return err;
-  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, m.words, m.cap,
-                                                                     m.entry, status);
+  mark_last_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(idx, n, m, status);
   return cudaGetLastError();
 }
 
