@@ -87,6 +87,17 @@ def gen():
     return torch.Generator().manual_seed(secrets.randbelow(2**62))
 
 
+@pytest.fixture(params=[None, 7], ids=["threads-default", "threads7"])
+def threads(request):
+    """The CPU kernels on torch's default threads and on 7 (an odd number of tasks or row
+    ranges, more than a small machine's cores); restored afterwards."""
+    previous = torch.get_num_threads()
+    if request.param:
+        torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(autouse=True)
 def no_unreported_bad_index():
     """A bad CUDA index that a deferred call recorded (the ops' default bounds_check) fails the

@@ -18,20 +18,25 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
   char* dst = static_cast<char*>(out.mutable_data_ptr());
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "gather_rows_cpu", [&] {
     const index_t* idx = index.const_data_ptr<index_t>();
+    const int64_t ahead = prefetch_ahead(rb, static_cast<int64_t>(table.nbytes()));
+    const auto row = [&](int64_t i) { return src + static_cast<int64_t>(idx[i]) * rb; };
     // Each output row is written once, so rows split across threads freely (duplicates only
     // read the same source row twice).
     if (for_device && can_stream_out(dst, rb)) {
       at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-          stream_row(dst + i * rb, src + static_cast<int64_t>(idx[i]) * rb, rb);
+          if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
+          stream_row(dst + i * rb, row(i), rb);
         }
         end_streaming();
       });
       return;
     }
     at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
-      copy_rows_cpu(dst, src, rb, begin, end,
-                    [&](int64_t i) { return std::pair<int64_t, int64_t>{i, idx[i]}; });
+      copy_rows_cpu(dst, src, rb, begin, end, [&](int64_t i) {
+        if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
+        return std::pair<int64_t, int64_t>{i, idx[i]};
+      });
     });
   });
 }

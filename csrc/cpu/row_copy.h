@@ -3,6 +3,7 @@
 // turns those into `rep movs`, measured 1.5x slower than libc's memcpy for 512 B rows.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -36,16 +37,18 @@ inline void copy_rows_cpu(char* dst, const char* src, int64_t row_bytes, int64_t
   }
 }
 
+// Tables larger than most CPUs' last-level caches: their random rows are seldom in cache, so
+// their rows are written around it (can_stream_rows) and read ahead (prefetch_ahead).
+constexpr int64_t kBeyondCacheBytes = int64_t{256} << 20;
+
 // Writes to random rows of a large table (a scatter) that cover whole 64-byte cache lines can
 // bypass the cache: a streaming store writes the line without first reading it from memory (a
 // normal store's read-for-ownership), which halves the memory traffic of such writes and takes
-// the read's latency off each row. Only for tables larger than most CPUs' last-level caches,
-// whose random rows would seldom be in cache anyway; other rows use memcpy.
-constexpr int64_t kStreamMinTableBytes = int64_t{256} << 20;
+// the read's latency off each row. Rows of smaller tables use memcpy.
 
 inline bool can_stream_rows(const void* table, int64_t row_bytes, int64_t table_bytes) {
 #if defined(__SSE2__)
-  return table_bytes >= kStreamMinTableBytes && row_bytes > 0 && row_bytes % 64 == 0 &&
+  return table_bytes >= kBeyondCacheBytes && row_bytes > 0 && row_bytes % 64 == 0 &&
          reinterpret_cast<uintptr_t>(table) % 64 == 0;
 #else
   (void)table;
@@ -89,6 +92,23 @@ inline void end_streaming() {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif
+}
+
+// Reading random rows of a table larger than the caches, a thread waits on memory (and, over
+// many GiB, on a page walk) for each row; out-of-order execution overlaps little more than the
+// next row's misses. Asking for the row some 2 KiB of rows ahead while copying this one keeps
+// several rows' misses in flight. Measured on 16 threads over 8-24 GiB pinned tables: 1.2-1.5x
+// for 64-128 B rows, about 1.1x at 512 B, where farther ahead was slower.
+inline int64_t prefetch_ahead(int64_t row_bytes, int64_t table_bytes) {
+  if (table_bytes < kBeyondCacheBytes || row_bytes <= 0) return 0;
+  return std::clamp<int64_t>((int64_t{2} << 10) / row_bytes, 4, 16);
+}
+
+// @brief Asks for every cache line of a row to be read (a hint: never faults, never waits).
+inline void prefetch_row(const char* row, int64_t row_bytes) {
+  // A row that starts inside a line ends in one more.
+  const int64_t last = row_bytes - 1 + static_cast<int64_t>(reinterpret_cast<uintptr_t>(row) % 64);
+  for (int64_t b = 0; b <= last; b += 64) __builtin_prefetch(row + b, /*rw=*/0, /*locality=*/3);
 }
 
 // Rows handled per parallel_for task: about 64 KiB of copying, so small rows are not split into

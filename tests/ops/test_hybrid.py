@@ -353,6 +353,28 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
     assert torch.equal(table, last_wins_reference(ref, wb, src))
 
 
+@pytest.mark.parametrize("row_floats", [8, 25, 128])
+def test_cpu_side_reads_a_table_past_the_caches(huge_tables, row_floats, gen):
+    """The CPU side reads rows of a pinned table of 256 MiB and more a few rows ahead of the
+    copy (prefetch hints) and streams them into staging (8 and 128 floats) or copies them
+    (25): every row as plain indexing's, by a CUDA and a CPU index, first and last rows
+    included."""
+    rows = -(-((256 << 20) // 4) // row_floats)
+    table = speedtorch_ops.empty_pinned((rows, row_floats), torch.float32)
+    table.copy_(random_rows((rows, row_floats), torch.float32, gen))
+    previous = _ops._set_hybrid_share.default(0.0)  # every row through the CPU
+    try:
+        for on_device in (True, False):
+            index = cpu_index(150_000, rows, gen)
+            index[:2] = torch.tensor([rows - 1, 0])
+            index[-2:] = torch.tensor([0, rows - 1])
+            out = torch.zeros(150_000, row_floats, device="cuda")
+            speedtorch_ops.pinned_gather_into(table, index.cuda() if on_device else index, out)
+            assert torch.equal(out.cpu(), table[index]), (on_device, gen.initial_seed())
+    finally:
+        _ops._set_hybrid_share.default(previous)
+
+
 @pytest.mark.parametrize("mode", ["deferred", "raise"])
 def test_cuda_index_over_a_huge_table_checks_on_the_host(huge_tables, mode, gen):
     """A load's (or a lone write-back's) index is read on the host, so a bad one raises in the

@@ -34,6 +34,23 @@ def test_gather_row_shapes(store, row_shape, gen):
         assert torch.equal(out.cpu(), data[index.cpu()]), f"{dtype} seed {gen.initial_seed()}"
 
 
+def test_gather_from_a_table_past_the_caches(threads, gen):
+    # A CPU table of 256 MiB and more is read a few rows ahead of the copy (prefetch hints, one
+    # for every cache line a row touches): rows of 32, 64, 100 and 512 B, and a view off 64-byte
+    # alignment, must come out as plain indexing's, first and last rows included, across task
+    # boundaries (7 threads).
+    flat = random_rows(((256 << 20) // 4 + 128,), torch.float32, gen)
+    for row_floats, offset in ((8, 0), (16, 0), (25, 0), (128, 0), (16, 5)):
+        rows = -(-((256 << 20) // 4) // row_floats)  # at least 256 MiB
+        view = flat[offset: offset + rows * row_floats].view(rows, row_floats)
+        assert view.nbytes >= 256 << 20
+        index = random_index(200_000, rows, torch.int64, "cpu", gen)
+        index[:3] = torch.tensor([rows - 1, 0, rows - 1])
+        index[-3:] = torch.tensor([0, rows - 1, rows - 2])
+        out = speedtorch_ops.pinned_gather(view, index)
+        assert torch.equal(out, view[index]), (row_floats, offset, gen.initial_seed())
+
+
 @pytest.mark.parametrize("store", STORES)
 def test_gather_empty_index_and_one_row_table(store, gen):
     data = random_rows((1, 5), torch.float32, gen)

@@ -56,26 +56,19 @@ def test_scatter_row_shapes(store, row_shape, gen):
 
 
 @pytest.mark.parametrize("store", STORES)
-@pytest.mark.parametrize("threads", [None, 7])
 def test_scatter_large_batch_parallel_path(store, threads, gen):
     # Big enough for the CPU kernel to split the table between threads (7: an odd number of
     # row ranges, more than this machine's cores).
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        data = random_rows((5000, 64), torch.float32, gen)
-        table = place(data, store)
-        index = random_index(20000, 5000, torch.int64, store, gen)
-        src = random_rows((20000, 64), torch.float32, gen).to(index.device)
-        speedtorch_ops.pinned_scatter(table, index, src)
-        assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
-        table2 = place(data, store)
-        speedtorch_ops.pinned_scatter(table2, index, src, accumulate=True)
-        # Exact: every row's values are added in index order, in float32.
-        assert torch.equal(table2.cpu(), sequential_add_reference(data, index, src))
-    finally:
-        torch.set_num_threads(previous)
+    data = random_rows((5000, 64), torch.float32, gen)
+    table = place(data, store)
+    index = random_index(20000, 5000, torch.int64, store, gen)
+    src = random_rows((20000, 64), torch.float32, gen).to(index.device)
+    speedtorch_ops.pinned_scatter(table, index, src)
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
+    table2 = place(data, store)
+    speedtorch_ops.pinned_scatter(table2, index, src, accumulate=True)
+    # Exact: every row's values are added in index order, in float32.
+    assert torch.equal(table2.cpu(), sequential_add_reference(data, index, src))
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -95,28 +88,21 @@ def test_scatter_empty_index_and_non_contiguous_src(store, gen):
     assert torch.equal(table.cpu(), ref)
 
 
-@pytest.mark.parametrize("threads", [None, 7])
 def test_scatter_into_a_table_past_the_caches(threads, gen):
     # A CPU table of 256 MiB and more takes streaming stores for rows of whole, aligned 64-byte
     # lines (64 and 192 B here), and memcpy for other rows (100 B) and for a view off 64-byte
     # alignment; every row written must match last-wins, every other row stay as it was.
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        flat = random_rows(((256 << 20) // 4 + 64,), torch.float32, gen)
-        for row_floats, offset in ((16, 0), (48, 0), (25, 0), (16, 4)):
-            rows = -(-((256 << 20) // 4) // row_floats)  # at least 256 MiB
-            view = flat[offset: offset + rows * row_floats].view(rows, row_floats)
-            assert view.nbytes >= 256 << 20
-            before = view.clone()
-            index = random_index(300_000, rows, torch.int64, "cpu", gen)
-            index[-5000:] = index[:5000]  # duplicates certain, the later one wins
-            src = random_rows((300_000, row_floats), torch.float32, gen)
-            speedtorch_ops.pinned_scatter(view, index, src)
-            assert torch.equal(view, last_wins_reference(before, index, src)), (row_floats, offset)
-    finally:
-        torch.set_num_threads(previous)
+    flat = random_rows(((256 << 20) // 4 + 64,), torch.float32, gen)
+    for row_floats, offset in ((16, 0), (48, 0), (25, 0), (16, 4)):
+        rows = -(-((256 << 20) // 4) // row_floats)  # at least 256 MiB
+        view = flat[offset: offset + rows * row_floats].view(rows, row_floats)
+        assert view.nbytes >= 256 << 20
+        before = view.clone()
+        index = random_index(300_000, rows, torch.int64, "cpu", gen)
+        index[-5000:] = index[:5000]  # duplicates certain, the later one wins
+        src = random_rows((300_000, row_floats), torch.float32, gen)
+        speedtorch_ops.pinned_scatter(view, index, src)
+        assert torch.equal(view, last_wins_reference(before, index, src)), (row_floats, offset)
 
 
 @pytest.mark.parametrize("store", ["pinned", "cuda"])
