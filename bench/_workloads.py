@@ -130,6 +130,16 @@ def beside(side, first, second):
     return run
 
 
+def big_table_case(buf, span_gib, row_bytes, n, gen, device):
+    """A float32 view of `span_gib` GiB of the pinned `buf` with rows of `row_bytes`, n random
+    row indices on the host and on `device`, a batch on `device` and pinned staging for it."""
+    rows, dim = span_gib * (1 << 30) // row_bytes, row_bytes // 4
+    table = buf[: rows * dim].view(rows, dim)
+    idx_cpu = torch.randint(0, rows, (n,), generator=gen)
+    return (table, idx_cpu, idx_cpu.to(device), torch.empty(n, dim, device=device),
+            torch.empty(n, dim, pin_memory=True))
+
+
 def hybrid_share(share, fn):
     """fn() with the hybrid path's zero-copy share fixed (0: all CPU threads + DMA; a negative
     value: tuned, the default), restored afterwards."""

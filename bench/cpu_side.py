@@ -11,7 +11,7 @@ Medians in ms (wall clock for CPU-only work, CUDA events otherwise), every round
 GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png.
 
     python3 bench/cpu_side.py [--tag T] [--rounds 2] [--reps 9] [--out bench/results]
-                              [--row-bytes 512 ...]
+                              [--row-bytes 512 ...] [--settle 100]
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ import torch
 
 import speedtorch_ops
 from _timing import timed, wall
-from _workloads import hybrid_share
+from _workloads import big_table_case, hybrid_share
 
 GIB = 1 << 30
 CASES = [(8, 32, 1 << 20), (8, 64, 1 << 20), (8, 128, 1 << 19), (24, 64, 1 << 19),
@@ -78,6 +78,9 @@ def main():
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--row-bytes", type=int, nargs="*", help="only the cases of these row sizes")
+    p.add_argument("--settle", type=int, default=100,
+                   help="untimed calls of each of our routes first (the hybrid's split search "
+                        "settles in 30-90 calls of a shape)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -86,19 +89,19 @@ def main():
     print(f"{a.tag}: {torch.get_num_threads()} CPU threads", flush=True)
     results = []
     for span, rb, n in [c for c in CASES if not a.row_bytes or c[1] in a.row_bytes]:
-        rows, dim = span * GIB // rb, rb // 4
-        t = buf[: rows * dim].view(rows, dim)
-        idx_cpu = torch.randint(0, rows, (n,), generator=gen)
-        idx = idx_cpu.to(dev)
-        var = torch.empty(n, dim, device=dev)
-        staging = torch.empty(n, dim, pin_memory=True)
-        staging2 = torch.empty(n, dim, pin_memory=True)
+        t, idx_cpu, idx, var, staging = big_table_case(buf, span, rb, n, gen, dev)
+        staging2 = torch.empty(staging.shape, pin_memory=True)
         torch.index_select(t, 0, idx_cpu, out=staging)
         speedtorch_ops.pinned_gather_into(t, idx, var)
         speedtorch_ops.pinned_gather_into(t, idx_cpu, staging2)
         assert torch.equal(var.cpu().view(torch.int32), staging.view(torch.int32))
         assert torch.equal(staging2.view(torch.int32), staging.view(torch.int32))
         gathers, scatters = paths(t, idx_cpu, idx, var, staging, staging2)
+        for table in (gathers, scatters):
+            for name in ("ours_cpu_index", "ours_cuda_index"):
+                for _ in range(a.settle):
+                    table[name][1]()
+        torch.cuda.synchronize()
         rec = {"span_gib": span, "row_bytes": rb, "n": n, "gather": {}, "scatter": {}}
         for r in range(a.rounds):
             for kind, table in (("gather", gathers), ("scatter", scatters)):

@@ -269,6 +269,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
                 std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
                 n_wb + n_load};
+  sample.zc_end->record(cur);  // no zero-copy side yet; the sides that queue one record again
   if (wb && share == 0.0) {
     writeback_on_host(pairs, tables, *wb, accumulate, device, cur, state, sample);
     if (load) load_by_position(pairs, tables, *load, device, cur, state, sample);
@@ -280,7 +281,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   sample.host_ms = ms_since(t0);
   state.last_done.emplace();
   state.last_done->record(cur);  // after cur waited for dma: the end of all of this call's work
-  if (fixed < 0 && share > 0 && share < 1) record_sample(key, std::move(sample));
+  if (path != route::Path::kHostStaged && fixed < 0) record_sample(key, std::move(sample));
 }
 
 }  // namespace speedtorch_ops::cuda_impl

@@ -1,6 +1,7 @@
 #include "tuner.h"
 
 #include "../route.h"
+#include "share_search.h"
 
 #include <ATen/Parallel.h>
 
@@ -28,27 +29,22 @@ int log2_bucket(int64_t v) {
 }
 
 struct Entry {
-  double share = 0.5;
+  hybrid::ShareSearch search;
   std::optional<Sample> pending;
 };
 
-// The share at which both sides of the sampled call would have ended together, from the rows
-// per ms each side achieved; the next share moves halfway there (damped: timings are noisy).
-double balanced(const Sample& s, double current) {
+// A sampled call's time: until its last side ended (both sides' GPU work, and the host's).
+void fold_in(const Sample& s, hybrid::ShareSearch& search) {
   const double zc_ms = s.start->elapsed_time(*s.zc_end);
-  const double cpu_ms = std::max<double>(s.host_ms, s.start->elapsed_time(*s.dma_end));
-  if (zc_ms <= 0 || cpu_ms <= 0) return current;
-  const double zc_rate = s.share / zc_ms;
-  const double cpu_rate = (1.0 - s.share) / cpu_ms;
-  const double target = zc_rate / (zc_rate + cpu_rate);
-  const double next = std::clamp(0.5 * s.share + 0.5 * target, 0.02, 0.98);
+  const double dma_ms = s.start->elapsed_time(*s.dma_end);
+  const double ms = std::max({zc_ms, dma_ms, s.host_ms});
+  search.add(s.share, ms);
   if (std::getenv("SPEEDTORCH_OPS_TRACE_SPLIT") != nullptr) {
-    std::fprintf(stderr, "hybrid split: %lld rows, share %.3f: zero-copy %.3f ms, cpu %.3f ms "
-                 "(host %.3f ms, of which %.3f ms to queue the GPU work) -> %.3f\n",
-                 static_cast<long long>(s.rows), s.share, zc_ms, cpu_ms, s.host_ms, s.queued_ms,
-                 next);
+    std::fprintf(stderr, "hybrid split: %lld rows, share %.3f: %.3f ms (zero-copy %.3f ms, "
+                 "copies %.3f ms, host %.3f ms, of which %.3f ms to queue the GPU work) -> %.3f%s\n",
+                 static_cast<long long>(s.rows), s.share, ms, zc_ms, dma_ms, s.host_ms,
+                 s.queued_ms, search.next(), search.settled() ? " (settled)" : "");
   }
-  return next;
 }
 
 std::mutex& tuner_mutex() {
@@ -76,11 +72,11 @@ double tuned_share(const TuneKey& key) {
   if (e.pending) {
     const Sample& s = *e.pending;
     if (s.start->query() && s.zc_end->query() && s.dma_end->query()) {
-      e.share = balanced(s, e.share);
+      fold_in(s, e.search);
       e.pending.reset();
     }
   }
-  return e.share;
+  return e.search.next();
 }
 
 void record_sample(const TuneKey& key, Sample sample) {

@@ -1,6 +1,6 @@
 // The hybrid path's split, tuned per shape of call: each call's two sides are timed (events on
-// the GPU, a clock on the host) and the next call of the same shape moves the zero-copy share
-// toward the point where both sides end together. A test hook can fix the share instead.
+// the GPU, a clock on the host) and a search per shape (share_search.h) picks the zero-copy
+// share at which such calls take least time. A test hook can fix the share instead.
 #pragma once
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -30,8 +30,8 @@ struct Sample {
   int64_t rows = 0;
 };
 
-// @brief The zero-copy share for the next call of shape `key` (0.5 the first time), after
-// folding in the last sample recorded for it if its events have completed.
+// @brief The zero-copy share for the next call of shape `key`, after folding in the last
+// sample recorded for it if its events have completed.
 double tuned_share(const TuneKey& key);
 
 // @brief Records a call's timing for the next call of the same shape.
