@@ -11,7 +11,7 @@ Medians in ms (wall clock for CPU-only work, CUDA events otherwise), every round
 GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png.
 
     python3 bench/cpu_side.py [--tag T] [--rounds 2] [--reps 9] [--out bench/results]
-                              [--row-bytes 512 ...] [--settle 100]
+                              [--row-bytes 512 ...] [--settle 60]
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ import torch
 
 import speedtorch_ops
 from _timing import timed, wall
-from _workloads import big_table_case, hybrid_share
+from _workloads import HYBRID_SETTLE_CALLS, big_table_case, hybrid_share
 
 GIB = 1 << 30
 CASES = [(8, 32, 1 << 20), (8, 64, 1 << 20), (8, 128, 1 << 19), (24, 64, 1 << 19),
@@ -78,9 +78,9 @@ def main():
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--row-bytes", type=int, nargs="*", help="only the cases of these row sizes")
-    p.add_argument("--settle", type=int, default=100,
-                   help="untimed calls of each of our routes first (the hybrid's split search "
-                        "settles in 30-90 calls of a shape)")
+    p.add_argument("--settle", type=int, default=HYBRID_SETTLE_CALLS,
+                   help="untimed calls of each of our routes first, for the hybrid's split "
+                        "search to settle")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")

@@ -1,11 +1,11 @@
 """The hybrid path's automatic split against fixed zero-copy shares and the PyTorch recipe, in
 one process: random rows of an 8-24 GiB pinned table gathered to the GPU by a CUDA index. Each
-shape first runs `--settle` untimed calls (the split's search settles in 40-55), printing the
-search's trace; then rounds in rotated order of the automatic split, each fixed share and the
+shape first runs `--settle` untimed calls (the split's search settles in 41-53), printing
+the search's trace; then rounds in rotated order of the automatic split, each fixed share and the
 recipe (index_select into pinned staging + an async copy), medians of 9 calls with CUDA
 events. Needs a GPU and 24 GiB of pinnable memory. Writes <out>/hybrid_split-<tag>.json.
 
-    python3 bench/hybrid_split.py [--tag T] [--rounds 4] [--shares 0 0.2 0.45] [--settle 100]
+    python3 bench/hybrid_split.py [--tag T] [--rounds 4] [--shares 0 0.2 0.45] [--settle 60]
 """
 import argparse
 import json
@@ -15,7 +15,7 @@ import torch
 
 import speedtorch_ops
 from _timing import timed
-from _workloads import big_table_case, hybrid_share
+from _workloads import HYBRID_SETTLE_CALLS, big_table_case, hybrid_share
 
 GIB = 1 << 30
 CASES = [(8, 512, 1 << 17), (24, 512, 1 << 17), (8, 128, 1 << 19), (24, 128, 1 << 19)]
@@ -26,7 +26,7 @@ def main():
     p.add_argument("--tag", default="run")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shares", type=float, nargs="*", default=[0.0, 0.2, 0.45])
-    p.add_argument("--settle", type=int, default=100)
+    p.add_argument("--settle", type=int, default=HYBRID_SETTLE_CALLS)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -15,7 +15,8 @@ import torch
 
 import speedtorch_ops
 from _timing import timed
-from _workloads import add_seed_shape, cupy_paths, pytorch_recipe, seed_workload
+from _workloads import (HYBRID_SETTLE_CALLS, add_seed_shape, cupy_paths, pytorch_recipe,
+                        seed_workload)
 
 
 def main():
@@ -77,13 +78,15 @@ def main():
     for threads in a.threads:
         torch.set_num_threads(threads)
         # Ours with the index on the CPU: CPU threads + DMA share the rows with the zero-copy
-        # kernel (the split tunes itself over the warm-up calls).
+        # kernel (the split's search settles over the warm-up calls).
         speedtorch_ops.pinned_gather_into(table, idx_cpu, var)
         torch.cuda.synchronize()
         check_to_var("ours hybrid")
         row(f"speedtorch_ops pinned store, CPU index (hybrid), {threads} threads",
-            timed(lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var), a.reps, 12),
-            timed(lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), a.reps, 12))
+            timed(lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var), a.reps,
+                  HYBRID_SETTLE_CALLS),
+            timed(lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), a.reps,
+                  HYBRID_SETTLE_CALLS))
         recipe_to, recipe_from = pytorch_recipe(table, idx_cpu, var, staging)
         recipe_to()
         torch.cuda.synchronize()

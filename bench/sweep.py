@@ -23,7 +23,8 @@ import torch
 
 import speedtorch_ops
 from _timing import timed
-from _workloads import cupy_paths, generator, memcpy_paths, pytorch_recipe, random_index
+from _workloads import (HYBRID_SETTLE_CALLS, cupy_paths, generator, memcpy_paths,
+                        pytorch_recipe, random_index)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -83,12 +84,14 @@ class Bench:
                 f"{name}: wrong rows"
 
         paths = {
-            # 12 warm-up calls for both: past the span threshold a CUDA index takes the hybrid
-            # too, whose split tunes itself over the first calls.
+            # Warm-up calls enough for the hybrid's split to settle: past the span threshold a
+            # CUDA index takes the hybrid too.
             "ours_cuda_index": (lambda: speedtorch_ops.pinned_gather_into(table, idx, var),
-                                lambda: speedtorch_ops.pinned_scatter(table, idx, var), 12),
+                                lambda: speedtorch_ops.pinned_scatter(table, idx, var),
+                                HYBRID_SETTLE_CALLS),
             "ours_cpu_index": (lambda: speedtorch_ops.pinned_gather_into(table, idx_cpu, var),
-                               lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var), 12),
+                               lambda: speedtorch_ops.pinned_scatter(table, idx_cpu, var),
+                               HYBRID_SETTLE_CALLS),
             "pytorch_recipe": (*pytorch_recipe(table, idx_cpu, var, staging), 3),
         }
         cupy = cupy_paths(table, idx, var)

@@ -20,12 +20,16 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
     const index_t* idx = index.const_data_ptr<index_t>();
     const int64_t ahead = prefetch_ahead(rb, static_cast<int64_t>(table.nbytes()));
     const auto row = [&](int64_t i) { return src + static_cast<int64_t>(idx[i]) * rb; };
+    // Before copying position i of a task ending at `end`: ask for the row `ahead` on.
+    const auto read_ahead = [&](int64_t i, int64_t end) {
+      if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
+    };
     // Each output row is written once, so rows split across threads freely (duplicates only
     // read the same source row twice).
     if (for_device && can_stream_out(dst, rb)) {
       at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
-          if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
+          read_ahead(i, end);
           stream_row(dst + i * rb, row(i), rb);
         }
         end_streaming();
@@ -34,7 +38,7 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
     }
     at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
       copy_rows_cpu(dst, src, rb, begin, end, [&](int64_t i) {
-        if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
+        read_ahead(i, end);
         return std::pair<int64_t, int64_t>{i, idx[i]};
       });
     });

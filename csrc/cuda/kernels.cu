@@ -614,6 +614,12 @@ bool fused_scatter_supported(int device) {
   }) == 1;
 }
 
+namespace {
+std::atomic<int> g_fused_extra_blocks{0};  // the test hook (set_fused_extra_blocks)
+}  // namespace
+
+int set_fused_extra_blocks(int blocks) { return g_fused_extra_blocks.exchange(blocks); }
+
 cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n, int64_t rows,
                                  int arg, void* scratch, int64_t* status, Deferred deferred,
                                  int device, int sms, cudaStream_t stream) {
@@ -628,6 +634,8 @@ cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n,
     const int64_t needed = (n * t.count + kThreads - 1) / kThreads;
     int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed,
                                                                           int64_t{per_sm} * sms)));
+    const int extra = g_fused_extra_blocks.load(std::memory_order_relaxed);
+    if (extra > 0) blocks = per_sm * sms + extra;
     Marks marks = marks_in(scratch, n, rows);
     Tables tables = t;
     void* args[] = {&tables, &idx, &n, &rows, &team_log2, &arg, &marks, &status, &deferred};

@@ -120,6 +120,11 @@ cudaError_t launch_mark_last(const int64_t* idx, int64_t n, int64_t rows, void* 
 // @brief Whether `device` runs cooperative launches (launch_scatter_fused needs them).
 bool fused_scatter_supported(int device);
 
+// @brief Test hook: while blocks > 0, launch_scatter_fused asks for that many blocks more than
+// the device holds at once, so the runtime refuses the launch as it would on a device with
+// fewer SMs free (e.g. an MPS client's share). Returns the previous value.
+int set_fused_extra_blocks(int blocks);
+
 // For every table: dst row idx[j] = src row j, the last position of a repeated row winning, in
 // one cooperative launch on `device` (whose current grid has `sms` SMs) that also zeroes
 // `status` (kStatusWords, the caller reads it after) and checks every idx[j] against `rows`

@@ -30,4 +30,10 @@ int64_t set_transfer_sm_limit(int64_t sms) {
   return g_sm_limit.exchange(sms);
 }
 
+int64_t set_fused_extra_blocks(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0 && blocks <= (int64_t{1} << 20),
+              "blocks must be in [0, 2^20] (0 turns the hook off), got ", blocks);
+  return cuda::set_fused_extra_blocks(static_cast<int>(blocks));
+}
+
 }  // namespace speedtorch_ops::cuda_impl

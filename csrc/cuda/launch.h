@@ -19,4 +19,8 @@ cuda::Grid transfer_grid(const c10::Device& device, int64_t sms = 0);
 // the previous value.
 int64_t set_transfer_sm_limit(int64_t sms);
 
+// @brief The test hook of cuda::set_fused_extra_blocks (blocks >= 0; 0: off); returns the
+// previous value.
+int64_t set_fused_extra_blocks(int64_t blocks);
+
 }  // namespace speedtorch_ops::cuda_impl

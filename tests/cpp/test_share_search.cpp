@@ -6,6 +6,7 @@
 #include "cuda/hybrid/share_search.h"
 
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <random>
 #include <utility>
@@ -104,14 +105,32 @@ TEST_CASE("the first calls are not counted") {
   CHECK(search.next() != first);
 }
 
-TEST_CASE("a time at another share than the next one is ignored") {
-  ShareSearch search;
-  const double first = search.next();
-  for (int i = 0; i < 20; ++i) search.add(first + 0.1, 1.0);  // calls that started earlier
-  search.add(first, 0.0);  // and times that are no times
-  search.add(first, -1.0);
-  CHECK(search.next() == first);
-  CHECK_FALSE(search.settled());
+TEST_CASE("a time at another share than the next one, or no time, is ignored") {
+  ShareSearch search(by_hand({0.0, 0.5}, 0.1, 1));
+  for (int i = 0; i < 5; ++i) search.add(0.5, 1.0);  // calls that started before a change
+  search.add(0.0, 0.0);                              // and times that are no times
+  search.add(0.0, -1.0);
+  search.add(0.0, std::nan(""));
+  CHECK(search.next() == 0.0);
+  search.add(0.0, 1.0);  // counted
+  CHECK(search.next() == 0.5);
+}
+
+TEST_CASE("options that cannot search are refused, naming the field") {
+  using Spoil = std::function<void(ShareSearch::Options&)>;
+  const std::vector<std::pair<const char*, Spoil>> cases{
+      {"grid", [](ShareSearch::Options& o) { o.grid.clear(); }},
+      {"per_point", [](ShareSearch::Options& o) { o.per_point = 0; }},
+      {"drop", [](ShareSearch::Options& o) { o.drop = 0.5; }},
+      {"highest", [](ShareSearch::Options& o) { o.highest = 1.5; }},
+      {"refine", [](ShareSearch::Options& o) { o.refine = 0; }},
+  };
+  for (const auto& [field, spoil] : cases) {
+    ShareSearch::Options o;
+    spoil(o);
+    INFO(field);
+    CHECK_THROWS_WITH(ShareSearch(o), Catch::Contains(field));
+  }
 }
 
 TEST_CASE("a settled search follows a machine whose fastest share moved") {

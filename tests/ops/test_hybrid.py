@@ -5,6 +5,8 @@ split, against plain PyTorch indexing. A pageable table (no kernel can address i
 CPU side alone, with a CPU index or with a CUDA index (brought to the host). GPU only: run by
 scripts/gpu_check.sh on the GPU machine."""
 
+import re
+
 import pytest
 import torch
 
@@ -19,8 +21,13 @@ _ops = torch.ops.speedtorch_ops
 
 @pytest.fixture(params=SHARES, ids=lambda s: "auto" if s is None else f"share{s}")
 def share(request):
+    # The automatic split under the quick search: a shape's calls take 0.5, 0.2, 0.8, 0, ... in
+    # turn (the default search first times 20 calls at 0 alone), so every call must be exact
+    # whatever share it met.
     previous = _ops._set_hybrid_share.default(-1.0 if request.param is None else request.param)
+    _ops._reset_hybrid_tuner.default(request.param is None)
     yield request.param
+    _ops._reset_hybrid_tuner.default(False)
     _ops._set_hybrid_share.default(previous)
 
 
@@ -83,6 +90,24 @@ def gather_then_scatter(table, data, n, gen):
     data = last_wins_reference(data, index, src)
     assert torch.equal(table, data), f"seed {gen.initial_seed()}"
     return data
+
+
+def test_automatic_split_meets_several_shares(capfd, monkeypatch, gen):
+    """Under the quick search (the `auto` variant of these tests) a shape's calls take several
+    shares in turn, every one exact; the search's trace (stderr) names each call's share."""
+    data = random_rows((4096, 64), torch.float32, gen)
+    table = pinned(data)
+    monkeypatch.setenv("SPEEDTORCH_OPS_TRACE_SPLIT", "1")
+    previous = _ops._set_hybrid_share.default(-1.0)
+    _ops._reset_hybrid_tuner.default(True)
+    try:
+        for _ in range(5):
+            data = gather_then_scatter(table, data, 12288, gen)  # 3 MiB a call: the hybrid
+    finally:
+        _ops._reset_hybrid_tuner.default(False)
+        _ops._set_hybrid_share.default(previous)
+    shares = re.findall(r"hybrid split: \d+ rows, share ([0-9.]+):", capfd.readouterr().err)
+    assert len(shares) >= 4 and {"0.500", "0.200", "0.800"} <= set(shares), shares
 
 
 def test_many_chunks_and_sorted_reads(share, gen):

@@ -168,6 +168,48 @@ def test_cuda_tables_written_back_by_one_kernel(rows, n, dim, mode, tables, gen)
         assert torch.equal(s.cpu(), d), f"a bad index wrote (seed {gen.initial_seed()})"
 
 
+def cuda_kernel_names(fn):
+    """The names of the CUDA kernels fn() ran (torch.profiler), space-separated."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events())
+
+
+def test_refused_one_kernel_write_back_takes_the_separate_kernels(gen):
+    # A device that cannot hold the one-kernel write-back's grid at once (fewer SMs free, as an
+    # MPS client's share) refuses its cooperative launch (the hook asks for one block too
+    # many); the call then takes the validation, marking and copy kernels: the same rows, the
+    # last occurrence winning, a bad index writing nothing and raising, and the refusal is not
+    # left behind for the next launch's error check.
+    needs_cuda("cuda")
+    ops = torch.ops.speedtorch_ops
+    data = random_rows((5000, 8), torch.float32, gen)
+    table = place(data, "cuda")
+    index = random_index(3000, 5000, torch.int64, "cuda", gen)
+    index[1500:] = index[:1500]  # every row twice, the later one wins
+    src = random_rows((3000, 8), torch.float32, gen).cuda()
+    with pytest.raises(RuntimeError, match="blocks must be in"):
+        ops._set_fused_extra_blocks(-1)
+    previous = ops._set_fused_extra_blocks(1)
+    try:
+        names = cuda_kernel_names(lambda: speedtorch_ops.pinned_scatter(table, index, src))
+        assert "scatter_fused_kernel" not in names and "validate_kernel" in names, names
+        assert torch.equal(table.cpu(), last_wins_reference(data, index, src))
+        before = table.clone()
+        bad = index.clone()
+        bad[2000] = 5000
+        with pytest.raises(RuntimeError, match=r"index\[2000\] = 5000"):
+            speedtorch_ops.pinned_scatter(table, bad, src, bounds_check="raise")
+        assert torch.equal(table, before)
+    finally:
+        ops._set_fused_extra_blocks(previous)
+    src2 = random_rows((3000, 8), torch.float32, gen).cuda()
+    names = cuda_kernel_names(lambda: speedtorch_ops.pinned_scatter(table, index, src2))
+    assert "scatter_fused_kernel" in names, names
+    assert torch.equal(table.cpu(), last_wins_reference(data, index, src2))
+
+
 @pytest.mark.parametrize("sms,capturing", [(0, False), (4, False), (0, True)])
 def test_which_cuda_table_write_backs_take_one_kernel(sms, capturing, gen):
     # The kernels a CUDA-table write-back queues (torch.profiler): the one cooperative kernel
@@ -184,16 +226,19 @@ def test_which_cuda_table_write_backs_take_one_kernel(sms, capturing, gen):
 
     call()  # warm-up (outside any capture)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+
+    graphs = []  # kept until the replay has run
+
+    def run():
         if capturing:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[0]):
                 call()
-            graph.replay()
+            graphs[0].replay()
         else:
             call()
-        torch.cuda.synchronize()
-    names = " ".join(e.name for e in prof.events())
+
+    names = cuda_kernel_names(run)
     fused = not capturing and sms == 0
     assert ("scatter_fused_kernel" in names) == fused, names
     assert ("validate_kernel" in names) != fused, names

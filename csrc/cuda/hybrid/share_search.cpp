@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace speedtorch_ops::hybrid {
 
@@ -11,7 +13,21 @@ double median(std::vector<double> v) {
   return v[mid];
 }
 
-ShareSearch::ShareSearch(const Options& options) : o_(options) { plan(o_.grid); }
+ShareSearch::ShareSearch(const Options& options) : o_(options) {
+  const auto require = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("ShareSearch::Options: ") + what);
+  };
+  require(!o_.grid.empty(), "grid must not be empty");
+  require(o_.lowest >= 0 && o_.lowest <= o_.highest && o_.highest <= 1,
+          "lowest and highest must satisfy 0 <= lowest <= highest <= 1");
+  require(o_.refine > 0, "refine must be > 0");
+  require(o_.margin >= 0, "margin must be >= 0");
+  require(o_.drop >= 1, "drop must be >= 1");
+  require(o_.per_point >= 1, "per_point must be >= 1");
+  require(o_.warmup >= 0, "warmup must be >= 0");
+  require(o_.recheck >= 1, "recheck must be >= 1");
+  plan(o_.grid);
+}
 
 double ShareSearch::next() const { return settled_ ? settled_share_ : tried_[at_].share; }
 
@@ -51,8 +67,8 @@ void ShareSearch::add(double share, double ms) {
     return;
   }
   tried_[at_].ms.push_back(ms);
-  if (at_ + 1 == tried_.size() && tried_[at_].ms.size() == 1) {
-    // The first turn is done: shares far slower than the fastest are not timed again.
+  if (!refined_ && at_ + 1 == tried_.size() && tried_[at_].ms.size() == 1) {
+    // The grid's first turn is done: shares far slower than the fastest are not timed again.
     double fastest = tried_.front().ms[0];
     for (const auto& p : tried_) fastest = std::min(fastest, p.ms[0]);
     tried_.erase(std::remove_if(tried_.begin(), tried_.end(),

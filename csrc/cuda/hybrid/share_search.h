@@ -1,9 +1,10 @@
 // How the hybrid path picks its zero-copy share for a shape of call: a search for the share at
 // which the call takes least time, from the measured time of calls at each share tried.
 // Both sides of a call share the PCIe link and the host's memory, so a share at which the two
-// sides end together is not the fastest: on 8-24 GiB tables of 512 B rows, sides that ended
-// together at a share of 0.42-0.49 took 1.85-1.9 ms where a share of 0.2 took 1.70-1.75. The
-// search therefore compares whole calls. Torch- and CUDA-free (the C++ tests check it).
+// sides end together is not the fastest: on 8-24 GiB tables of 512 B rows, the share where
+// they ended together (0.42-0.49) took 1.85-1.87 ms (8 GiB) where a share of 0.2 took
+// 1.72-1.75. The search therefore compares whole calls. Torch- and CUDA-free (the C++ tests
+// check it).
 #pragma once
 
 #include <cstddef>
@@ -14,16 +15,18 @@ namespace speedtorch_ops::hybrid {
 
 // A scan, then a closer look: time every share of a coarse grid, then the best of them again
 // beside the shares `refine` either side of it, and settle on the best of those three. Each
-// share is timed by a few calls, compared by their medians, so one slow call does not decide;
-// the calls go round the shares in turn, so a trend (the first calls of a shape run slower
-// while staging is allocated and faulted in) or a slow spell of the machine weighs on all of
-// them alike, and the last choice compares only shares timed in the same turns. A share more
-// than `drop` times slower than the fastest in the first turn is not timed again (the far end
-// of the grid can take 2-4x). A descent from point to point was sent down wrong paths by slow
-// calls. Near the fastest share the time changes little, and the zero-copy side's kernels hold
-// SMs the caller's own work could use, so the best share is the lowest one whose calls were
-// within `margin` of the fastest. A settled search scans again every `recheck` calls, so a
-// share follows a machine whose speeds drift.
+// share is timed by a few calls, compared by their medians, so one slow call does not pick
+// the share; the calls go round the shares in turn, so a trend (the first calls of a shape
+// run slower while staging is allocated and faulted in) or a slow spell of the machine weighs
+// on all of them alike, and the last choice compares only shares timed in the same turns. A
+// grid share more than `drop` times slower than the fastest in the first turn is not timed
+// again (the far end of the grid can take 2-4x; one slow call can drop a good share, whose
+// neighbours the closer look then still tries). A descent from point to point was sent down
+// wrong paths by slow calls. Near the fastest share the time changes little, and the
+// zero-copy side's kernels hold SMs the caller's own work could use, so the best share is the
+// lowest one whose calls were within `margin` of the fastest. A settled search scans again
+// every `recheck` calls, so a share follows a machine whose speeds drift. The first `warmup`
+// calls of a shape take the grid's first share (0: the CPU side alone) and are not counted.
 class ShareSearch {
  public:
   struct Options {
@@ -40,6 +43,7 @@ class ShareSearch {
   };
 
   ShareSearch() : ShareSearch(Options{}) {}
+  // @brief Throws std::invalid_argument, naming the field, for options that cannot search.
   explicit ShareSearch(const Options& options);
 
   // @brief The share for the next call.

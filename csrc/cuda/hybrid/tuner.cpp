@@ -17,6 +17,7 @@ namespace speedtorch_ops::cuda_impl {
 namespace {
 
 std::atomic<double> g_fixed_share{-1.0};
+std::atomic<bool> g_quick_search{false};  // the test hook (reset_hybrid_tuner)
 std::atomic<int64_t> g_min_span{0};  // the test hook; 0: the defaults
 
 int log2_bucket(int64_t v) {
@@ -28,17 +29,30 @@ int log2_bucket(int64_t v) {
   return b;
 }
 
+// The search's options: the defaults, or under the test hook a search that changes its share
+// from the first call on, one call a share, starting in the middle.
+hybrid::ShareSearch::Options search_options() {
+  hybrid::ShareSearch::Options o;
+  if (g_quick_search.load()) {
+    o.grid = {0.5, 0.2, 0.8, 0.0};
+    o.per_point = 1;
+    o.warmup = 0;
+  }
+  return o;
+}
+
 struct Entry {
-  hybrid::ShareSearch search;
+  hybrid::ShareSearch search{search_options()};
   std::optional<Sample> pending;
 };
 
-// A sampled call's time: until its last side ended (both sides' GPU work, and the host's).
+// A sampled call's time: until its last side ended (both sides' GPU work, and the host's),
+// per row, since the rows of one shape of call vary up to 2x (its key's buckets).
 void fold_in(const Sample& s, hybrid::ShareSearch& search) {
   const double zc_ms = s.start->elapsed_time(*s.zc_end);
   const double dma_ms = s.start->elapsed_time(*s.dma_end);
   const double ms = std::max({zc_ms, dma_ms, s.host_ms});
-  search.add(s.share, ms);
+  search.add(s.share, ms / static_cast<double>(std::max<int64_t>(s.rows, 1)));
   if (std::getenv("SPEEDTORCH_OPS_TRACE_SPLIT") != nullptr) {
     std::fprintf(stderr, "hybrid split: %lld rows, share %.3f: %.3f ms (zero-copy %.3f ms, "
                  "copies %.3f ms, host %.3f ms, of which %.3f ms to queue the GPU work) -> %.3f%s\n",
@@ -82,6 +96,12 @@ double tuned_share(const TuneKey& key) {
 void record_sample(const TuneKey& key, Sample sample) {
   std::lock_guard<std::mutex> lock(tuner_mutex());
   entries()[key].pending = std::move(sample);
+}
+
+void reset_hybrid_tuner(bool quick) {
+  std::lock_guard<std::mutex> lock(tuner_mutex());
+  entries().clear();
+  g_quick_search.store(quick);
 }
 
 double fixed_share() { return g_fixed_share.load(); }

@@ -37,6 +37,11 @@ double tuned_share(const TuneKey& key);
 // @brief Records a call's timing for the next call of the same shape.
 void record_sample(const TuneKey& key, Sample sample);
 
+// @brief Test hook: forgets every shape's search; while `quick`, new searches change their
+// share from a shape's first call on, one call a share (0.5, 0.2, 0.8, 0, then closer), so a
+// few calls of a test meet several shares.
+void reset_hybrid_tuner(bool quick);
+
 // @brief The test hook's fixed share in [0, 1], or negative for the automatic split.
 double fixed_share();
 
