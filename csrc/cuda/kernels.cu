@@ -631,9 +631,7 @@ cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n,
     int team_log2 = team_log2_of<V>(t);
     // One thread per position in the marking phases, one per item in the copy (a warp takes
     // 32 items a round); never more blocks than the device holds at once.
-    const int64_t needed = (n * t.count + kThreads - 1) / kThreads;
-    int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed,
-                                                                          int64_t{per_sm} * sms)));
+    int blocks = std::min(blocks_for_elements(n * t.count), per_sm * sms);
     const int extra = g_fused_extra_blocks.load(std::memory_order_relaxed);
     if (extra > 0) blocks = per_sm * sms + extra;
     Marks marks = marks_in(scratch, n, rows);

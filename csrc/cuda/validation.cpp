@@ -16,27 +16,26 @@ Report report_for(BoundsCheck mode, bool capturing) {
   return Report::kWait;
 }
 
-Validation::Validation(const c10::Device& device, Report report, int64_t sms)
+Validation::Validation(const c10::Device& device, Report report, int64_t sms, int64_t words)
     : stream_(at::cuda::getCurrentCUDAStream(device.index())),
       grid_(transfer_grid(device, sms)),
-      status_(at::empty({cuda::kStatusWords}, at::TensorOptions(at::kLong).device(device))),
+      status_(at::empty({words}, at::TensorOptions(at::kLong).device(device))),
       device_(device),
-      report_(report) {
+      report_(report) {}
+
+Validation::Validation(const c10::Device& device, Report report, int64_t sms)
+    : Validation(device, report, sms, cuda::kStatusWords) {
   // A memset is one queued command, where at::zeros is a dispatched fill kernel.
   C10_CUDA_CHECK(cudaMemsetAsync(status_.mutable_data_ptr(), 0, status_.nbytes(), stream_));
 }
 
-Validation::Validation(const c10::Device& device, Report report, int64_t extra_bytes, Unzeroed)
-    : stream_(at::cuda::getCurrentCUDAStream(device.index())),
-      grid_(transfer_grid(device)),
-      // int64 words, so the scratch after the status keeps 8-byte alignment
-      status_(at::empty({cuda::kStatusWords + (extra_bytes + 7) / 8},
-                        at::TensorOptions(at::kLong).device(device))),
-      device_(device),
-      report_(report) {}
-
 Validation Validation::fused(const c10::Device& device, Report report, int64_t scratch_bytes) {
-  return Validation(device, report, scratch_bytes, Unzeroed{});
+  // int64 words, so the scratch after the status keeps 8-byte alignment
+  return Validation(device, report, /*sms=*/0, cuda::kStatusWords + (scratch_bytes + 7) / 8);
+}
+
+cuda::Deferred Validation::deferred_for(const char* name) const {
+  return report_ == Report::kDeferred ? deferred_record(device_, name) : cuda::Deferred{};
 }
 
 cuda::Deferred Validation::add_checked_by_kernel(const char* name, int64_t rows) {
@@ -44,7 +43,7 @@ cuda::Deferred Validation::add_checked_by_kernel(const char* name, int64_t rows)
   names_[count_] = name;
   rows_[count_] = rows;
   ++count_;
-  return report_ == Report::kDeferred ? deferred_record(device_, name) : cuda::Deferred{};
+  return deferred_for(name);
 }
 
 at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* name,
@@ -54,11 +53,9 @@ at::Tensor Validation::add(const at::Tensor& index, int64_t rows, const char* na
   names_[count_] = name;
   rows_[count_] = rows;
   if (idx.numel() > 0) {
-    const auto deferred =
-        report_ == Report::kDeferred ? deferred_record(device_, name) : cuda::Deferred{};
     C10_CUDA_CHECK(cuda::launch_validate(idx.const_data_ptr<int64_t>(), idx.numel(), rows,
                                          count_, status_.mutable_data_ptr<int64_t>(), stream_,
-                                         limit, deferred));
+                                         limit, deferred_for(name)));
   }
   ++count_;
   return idx;

@@ -61,8 +61,10 @@ class Validation {
   at::Tensor status_;
   c10::Device device_;
   Report report_;
-  struct Unzeroed {};
-  Validation(const c10::Device& device, Report report, int64_t extra_bytes, Unzeroed);
+  // A status of `words` int64 words, not zeroed.
+  Validation(const c10::Device& device, Report report, int64_t sms, int64_t words);
+  // The deferred record a kernel fills for a bad value of `name` (none unless deferred).
+  cuda::Deferred deferred_for(const char* name) const;
   std::array<const char*, 2> names_{};
   std::array<int64_t, 2> rows_{};
   int count_ = 0;
