@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace speedtorch_ops {
@@ -22,7 +23,11 @@ namespace speedtorch_ops {
 // a call (they share the index).
 struct Owned {
   int64_t parts = 1;            // owners; 1: a single pass in index order
-  std::vector<int64_t> order;   // positions, owner by owner, each owner's in index order
+  // Positions, owner by owner, each owner's in index order. Left uninitialized (the placing
+  // pass writes every entry): a std::vector zeroes it first, on one thread, which took as long
+  // as both parallel passes (H100 host, 16 threads, 1 M positions: bucketing 0.81-1.07 ms with
+  // the zeroing, 0.35-0.66 without; the scatter of 64 B rows into 8 GiB 2.06-2.20 against 2.63).
+  std::unique_ptr<int64_t[]> order;
   std::vector<int64_t> start;   // where each owner's positions start in `order` (parts + 1)
 };
 
@@ -76,7 +81,7 @@ static Owned bucket_by_owner(const index_t* idx, int64_t n, int64_t rows, int64_
     }
   }
   o.start[parts] = total;
-  o.order.resize(n);
+  o.order.reset(new int64_t[n]);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* next = count.data() + c * parts;

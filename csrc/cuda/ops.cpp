@@ -128,24 +128,12 @@ void transfer(at::TensorList tables, at::TensorList batch,
   // Errors name the caller's argument: pinned_gather's and pinned_scatter's is `index`.
   const char* wb_name = listed ? "writeback_index" : "index";
   const char* load_name = listed ? "load_index" : "index";
-  // Indices the path reads on the host, or that are there already, are checked there (a CUDA
-  // index is brought over for a pageable table: that copy waits for the current stream, as
-  // the CPU side must before it touches the rows anyway).
-  const auto on_host = [&](const std::optional<at::Tensor>& index, const char* name) {
-    if (!index) return index;
-    auto host = index->contiguous();
-    if (host.is_cuda()) {
-      // Into pinned memory, which the copy engine writes at the link's rate (a pageable
-      // destination goes through the driver's staging buffers).
-      auto pinned = at::empty(host.sizes(), host.options().device(at::kCPU).pinned_memory(true));
-      host = pinned.copy_(host);
-    }
-    check_index_values(host, min_rows, name);
-    return std::optional(host);
-  };
+  // The paths that read the indices on the host bring a CUDA index there (that copy waits for
+  // the current stream, as the CPU side must before it touches the rows anyway) and check
+  // the values there.
   if (route::reads_index_on_host(path)) {
-    cuda_impl::hybrid_transfer(tables.vec(), pairs, on_host(writeback_index, wb_name),
-                               on_host(load_index, load_name), accumulate, path, device);
+    cuda_impl::hybrid_transfer(tables.vec(), pairs, writeback_index, load_index, accumulate,
+                               path, device, {min_rows, wb_name, load_name});
     return;
   }
   // A write-back alone by a CUDA index into tables in device memory: one kernel does it all,
@@ -164,7 +152,10 @@ void transfer(at::TensorList tables, at::TensorList batch,
     if (index->is_cuda()) {
       di.emplace(v.add(*index, min_rows, name), std::nullopt, min_rows);
     } else {
-      di.emplace(DeviceIndex::upload(*on_host(index, name), device, min_rows));
+      // A CPU index is checked on the host (no wait) and uploaded.
+      const auto host = index->contiguous();
+      check_index_values(host, min_rows, name);
+      di.emplace(DeviceIndex::upload(host, device, min_rows));
     }
     return di;
   };

@@ -179,6 +179,27 @@ def test_pageable_table_with_a_cuda_index_moves_through_the_cpu(share, bounds_ch
     assert torch.equal(table, before) and bool((out == 5.0).all())
 
 
+def test_cuda_indices_of_both_types_come_to_the_host_together(gen):
+    """A swap's two CUDA indices come to the host through one pinned area kept between calls:
+    an int32 write-back index of odd length before an int64 load index (which must start
+    aligned past it), then longer ones (the area grows), then shorter; each call's rows as
+    plain indexing's, and a bad value in the second index raises naming it, writing nothing."""
+    data = random_rows((3000, 16), torch.float32, gen)
+    table = data.clone()  # pageable: every call takes the CPU side, indices on the host
+    for n in (20001, 45003, 999):
+        wb = cpu_index(n, 3000, gen, torch.int32)
+        load = cpu_index(n, 3000, gen)
+        batch = random_rows((n, 16), torch.float32, gen).cuda()
+        data = last_wins_reference(data, wb, batch.cpu())
+        speedtorch_ops.optimizer_state_swap([table], [batch], wb.cuda(), load.cuda())
+        assert torch.equal(table, data) and torch.equal(batch.cpu(), data[load]), (n, gen.initial_seed())
+    bad = load.clone()
+    bad[-1] = 3000
+    with pytest.raises(RuntimeError, match=rf"load_index\[{n - 1}\] = 3000 is out of range"):
+        speedtorch_ops.optimizer_state_swap([table], [batch], wb.cuda(), bad.cuda())
+    assert torch.equal(table, data) and torch.equal(batch.cpu(), data[load])
+
+
 def test_pageable_table_refused_beside_cuda_tables_and_under_capture(gen):
     data = random_rows((50, 4), torch.float32, gen)
     pageable = data.clone()

@@ -19,7 +19,7 @@ namespace speedtorch_ops::cuda_impl {
 // stream too), under `mutex`; a call reuses the areas only after last_done.
 struct DeviceState {
   std::mutex mutex;
-  at::Tensor upload, down, up;
+  at::Tensor index, upload, down, up;
   std::optional<at::cuda::CUDAEvent> last_done;
 };
 
