@@ -49,12 +49,12 @@ struct Call {
   // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
   // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70
   // for the zero-copy kernels, 512 k rows of 64 B in 2.55 against 10.2, of 128 B in 3.34
-  // against 9.62; into 8 GiB the zero-copy kernels still won 1 M rows of 64 B (3.65 against
-  // 6.69) and tied 128 B (3.57 against 3.57). With streaming stores on the CPU side
-  // (bench/cpu_side.py), into 8 GiB CPU threads wrote 131 k rows of 512 B in 2.0-2.4 ms
-  // against 3.0-3.2 zero-copy and 512 k rows of 128 B in 3.1-3.8 (once 5.0) against 4.5-4.7,
-  // while 1 M rows of 32-64 B took 4.2-6.4 against 4.2-4.4.
-  static constexpr int64_t kHostWriteMinSpan = int64_t{16} << 30;
+  // against 9.62. Narrow rows by a CUDA index, 1 M rows (probes of two calls, bench/RESULTS.md):
+  // the zero-copy kernels' time grows with the span (64 B: 4.1-4.2 ms into 8 GiB, 5.3-5.4
+  // into 10, 6.5 into 12, 7.7 into 14) where the CPU threads' stays at 3.7-5.5; into 8 GiB
+  // the zero-copy kernels won or tied (4.1-4.3 against 3.3-5.8), into 10 GiB the CPU threads
+  // won (3.7-5.5, medians 4.5-4.8, against 5.3-5.5).
+  static constexpr int64_t kHostWriteMinSpan = int64_t{10} << 30;
   // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
   // CPU alone (see route). Measured on the H100 (bench/cpu_side.py, 16 threads, a CPU index,
   // minimums of three rounds): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms

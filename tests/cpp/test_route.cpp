@@ -83,12 +83,12 @@ TEST_CASE("route: write-backs alone into a very wide host table go through the C
     const auto wb = lone_writeback(on_device);
     REQUIRE(route(wb) == Path::kHostStaged);
     REQUIRE(speedtorch_ops::route::reads_index_on_host(route(wb)));
-    // rows of 128 B and more from the hybrid's span up, narrower ones from 16 GiB
+    // rows of 128 B and more from the hybrid's span up, narrower ones from 10 GiB
     REQUIRE(route(changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan; })) ==
             Path::kHostStaged);
     auto narrower = changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan - 1; });
     REQUIRE(route(narrower) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
-    // narrow rows by a CUDA index from 16 GiB (by a CPU index from the hybrid's span)
+    // narrow rows by a CUDA index from 10 GiB (by a CPU index from the hybrid's span)
     auto narrow_rows = changed(wb, [](Call& c) {
       c.row_bytes = Call::kNarrowRowBytes - 1;
       c.mapped_span = Call::kHostWriteMinSpan - 1;
