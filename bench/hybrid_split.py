@@ -1,6 +1,6 @@
 """The hybrid path's automatic split against fixed zero-copy shares and the PyTorch recipe, in
 one process: random rows of an 8-24 GiB pinned table gathered to the GPU by a CUDA index. Each
-shape first runs `--settle` untimed calls (the split's search settles in 41-53), printing
+shape first runs `--settle` untimed calls (the split's search settles within 56), printing
 the search's trace; then rounds in rotated order of the automatic split, each fixed share and the
 recipe (index_select into pinned staging + an async copy), medians of 9 calls with CUDA
 events. Needs a GPU and 24 GiB of pinnable memory. Writes <out>/hybrid_split-<tag>.json.

@@ -85,12 +85,14 @@ void ShareSearch::add(double share, double ms) {
     }
   }
   if (!refined_) {
-    // The best share is timed again beside its neighbours, in the same turns.
+    // The best share is timed again beside its neighbours and the grid's first share (the CPU
+    // side alone), in the same turns: a slow spell over that share's calls in the scan then
+    // cannot keep the search off it.
     refined_ = true;
     const double b = best();
     tried_.clear();
     at_ = 0;
-    plan({b, b - o_.refine, b + o_.refine});
+    plan({b, b - o_.refine, b + o_.refine, o_.grid.front()});
     return;
   }
   settled_ = true;
