@@ -49,11 +49,11 @@ struct Call {
   // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
   // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70
   // for the zero-copy kernels, 512 k rows of 64 B in 2.55 against 10.2, of 128 B in 3.34
-  // against 9.62. Narrow rows by a CUDA index, 1 M rows (probes of two calls, bench/RESULTS.md):
-  // the zero-copy kernels' time grows with the span (64 B: 4.1-4.2 ms into 8 GiB, 5.3-5.4
-  // into 10, 6.5 into 12, 7.7 into 14) where the CPU threads' stays at 3.7-5.5; into 8 GiB
-  // the zero-copy kernels won or tied (4.1-4.3 against 3.3-5.8), into 10 GiB the CPU threads
-  // won (3.7-5.5, medians 4.5-4.8, against 5.3-5.5).
+  // against 9.62. Narrow rows by a CUDA index, 1 M rows of 32-64 B (probes of three calls,
+  // bench/RESULTS.md): the zero-copy kernels' time grows with the span (64 B: 4.1-4.2 ms into
+  // 8 GiB, 5.3-5.4 into 10, 6.5 into 12, 7.7 into 14) where the CPU threads' stays at
+  // 3.7-5.5; into 8 GiB the zero-copy kernels won or tied (4.1-4.3 against 3.3-5.8), into
+  // 10 GiB the CPU threads won (3.7-5.5, medians 4.5-4.8, against 5.3-5.5).
   static constexpr int64_t kHostWriteMinSpan = int64_t{10} << 30;
   // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
   // CPU alone (see route). Measured on the H100 (bench/cpu_side.py, 16 threads, a CPU index,

@@ -182,8 +182,8 @@ def test_pageable_table_with_a_cuda_index_moves_through_the_cpu(share, bounds_ch
 def test_cuda_indices_of_both_types_come_to_the_host_together(gen):
     """A swap's two CUDA indices come to the host through one pinned area kept between calls:
     an int32 write-back index of odd length before an int64 load index (which must start
-    aligned past it), then longer ones (the area grows), then shorter; each call's rows as
-    plain indexing's, and a bad value in the second index raises naming it, writing nothing."""
+    aligned past it), then longer ones (the area may grow), then shorter; each call's rows as
+    plain indexing's, and a bad value in either index raises naming it, writing nothing."""
     data = random_rows((3000, 16), torch.float32, gen)
     table = data.clone()  # pageable: every call takes the CPU side, indices on the host
     for n in (20001, 45003, 999):
@@ -192,12 +192,14 @@ def test_cuda_indices_of_both_types_come_to_the_host_together(gen):
         batch = random_rows((n, 16), torch.float32, gen).cuda()
         data = last_wins_reference(data, wb, batch.cpu())
         speedtorch_ops.optimizer_state_swap([table], [batch], wb.cuda(), load.cuda())
-        assert torch.equal(table, data) and torch.equal(batch.cpu(), data[load]), (n, gen.initial_seed())
-    bad = load.clone()
-    bad[-1] = 3000
-    with pytest.raises(RuntimeError, match=rf"load_index\[{n - 1}\] = 3000 is out of range"):
-        speedtorch_ops.optimizer_state_swap([table], [batch], wb.cuda(), bad.cuda())
-    assert torch.equal(table, data) and torch.equal(batch.cpu(), data[load])
+        assert torch.equal(table, data), (n, gen.initial_seed())
+        assert torch.equal(batch.cpu(), data[load]), (n, gen.initial_seed())
+    for bad_wb, bad_load, name in ((wb, load.clone(), "load_index"),
+                                   (wb.clone(), load, "writeback_index")):
+        (bad_load if name == "load_index" else bad_wb)[-1] = 3000
+        with pytest.raises(RuntimeError, match=rf"{name}\[{n - 1}\] = 3000 is out of range"):
+            speedtorch_ops.optimizer_state_swap([table], [batch], bad_wb.cuda(), bad_load.cuda())
+        assert torch.equal(table, data) and torch.equal(batch.cpu(), data[load]), name
 
 
 def test_pageable_table_refused_beside_cuda_tables_and_under_capture(gen):

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <tuple>
 #include <utility>
 
 namespace speedtorch_ops::cuda_impl {
@@ -234,7 +235,7 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
 // buffer allocated each call instead (torch's caching host allocator), a CUDA index of 1 M
 // positions reached the host and was checked in 0.50-1.16 ms (H100 host, 8 GiB table);
 // through the kept area in 0.55-0.62, the copy's wait 0.41-0.47 of it.
-std::array<std::optional<at::Tensor>, 2> queue_to_host(
+std::pair<std::optional<at::Tensor>, std::optional<at::Tensor>> queue_to_host(
     std::array<const std::optional<at::Tensor>*, 2> indices, at::Tensor& slot) {
   // Each index's bytes, rounded up so that the next one starts aligned for any index type.
   const auto bytes_of = [](const at::Tensor& i) {
@@ -260,7 +261,7 @@ std::array<std::optional<at::Tensor>, 2> queue_to_host(
                   .copy_(*i, /*non_blocking=*/true);
     at += bytes_of(*i);
   }
-  return host;
+  return {host[0], host[1]};
 }
 
 }  // namespace
@@ -279,19 +280,36 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
     span = std::max<int64_t>(span, t.nbytes());
   }
   if (n_wb + n_load == 0) return;
+  // Every value is checked before anything moves (a bad index writes nothing): a CPU index at
+  // once, without waiting for anything; a CUDA index once it has landed, below.
+  const std::pair<const std::optional<at::Tensor>*, const char*> named[] = {
+      {&writeback_index, check.writeback_name}, {&load_index, check.load_name}};
+  for (const auto& [index, name] : named) {
+    if (*index && !(*index)->is_cuda()) {
+      check_index_values((*index)->contiguous(), check.rows, name);
+    }
+  }
 
   DeviceState& state = state_of(device.index());
   std::lock_guard<std::mutex> lock(state.mutex);
   if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
-  auto [wb, load] = queue_to_host({&writeback_index, &load_index}, state.index);
+  std::optional<at::Tensor> wb, load;
+  try {
+    std::tie(wb, load) = queue_to_host({&writeback_index, &load_index}, state.index);
+  } catch (...) {
+    cur.synchronize();  // a copy already queued into the area must land before another call
+    throw;
+  }
   auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
   start->record(cur);
   // The host touches tables and batch only after the work queued before (and the indices
   // have landed).
   start->synchronize();
-  // Every value is checked before anything moves: a bad index writes nothing.
-  if (wb) check_index_values(*wb, check.rows, check.writeback_name);
-  if (load) check_index_values(*load, check.rows, check.load_name);
+  for (const auto& [index, name] : named) {
+    if (*index && (*index)->is_cuda()) {
+      check_index_values(index == &writeback_index ? *wb : *load, check.rows, name);
+    }
+  }
   if (tables.empty() || total_rb == 0) return;
   for (auto* i : {&wb, &load}) {
     if (*i) *i = (*i)->to(at::kLong).contiguous();

@@ -22,8 +22,9 @@ namespace speedtorch_ops::hybrid {
 // run slower while staging is allocated and faulted in) or a slow spell of the machine weighs
 // on all of them alike, and the last choice compares only shares timed in the same turns. A
 // grid share more than `drop` times slower than the fastest in the first turn is not timed
-// again (the far end of the grid can take 2-4x; one slow call can drop a good share, whose
-// neighbours the closer look then still tries). A descent from point to point was sent down
+// again in the scan (the far end of the grid can take 2-4x; one slow call can drop a good
+// share, whose neighbours the closer look then still tries; the closer look times the first
+// share whatever the scan made of it). A descent from point to point was sent down
 // wrong paths by slow calls. Near the fastest share the time changes little, and the
 // zero-copy side's kernels hold SMs the caller's own work could use, so the best share is the
 // lowest one whose calls were within `margin` of the fastest. A settled search scans again

@@ -16,7 +16,8 @@ namespace speedtorch_ops::cuda_impl {
 
 // What the hybrid calls on one device share: the pinned staging areas and the event that marks
 // the end of the last call's work. Calls on a device run one at a time (they share the copy
-// stream too), under `mutex`; a call reuses the areas only after last_done.
+// stream too), under `mutex`; a call reuses the areas only after last_done (the index area:
+// each call waits for its own copies into it before it lets go of the mutex).
 struct DeviceState {
   std::mutex mutex;
   at::Tensor index, upload, down, up;
