@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <tuple>
 #include <utility>
 
 namespace speedtorch_ops::cuda_impl {
@@ -230,38 +229,39 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   sample.dma_end->block(cur);  // later work on cur follows the copies
 }
 
-// The indices on the host: CPU ones as they are, CUDA ones copied into the pinned area held in
-// `slot` (kept between calls) on the current stream, for the caller to wait for. With a pinned
-// buffer allocated each call instead (torch's caching host allocator), a CUDA index of 1 M
-// positions reached the host and was checked in 0.50-1.16 ms (H100 host, 8 GiB table);
-// through the kept area in 0.55-0.62, the copy's wait 0.41-0.47 of it.
-std::pair<std::optional<at::Tensor>, std::optional<at::Tensor>> queue_to_host(
-    std::array<const std::optional<at::Tensor>*, 2> indices, at::Tensor& slot) {
+// An index of the call, its host copy (made by the call) and the name errors give it.
+struct HostIndex {
+  const std::optional<at::Tensor>* index;
+  std::optional<at::Tensor>* host;
+  const char* name;
+};
+
+// Queues the copies of the CUDA indices into the pinned area held in `slot` (kept between
+// calls) on the current stream, for the caller to wait for; each index's `host` is its place
+// there. With a pinned buffer allocated each call instead (torch's caching host allocator), a
+// CUDA index of 1 M positions reached the host and was checked in 0.50-1.16 ms (H100 host,
+// 8 GiB table); through the kept area in 0.55-0.62, the copy's wait 0.41-0.47 of it.
+void queue_to_host(const std::array<HostIndex, 2>& indices, at::Tensor& slot) {
   // Each index's bytes, rounded up so that the next one starts aligned for any index type.
   const auto bytes_of = [](const at::Tensor& i) {
     return (i.numel() * i.element_size() + 7) / 8 * 8;
   };
   int64_t bytes = 0;
-  for (const auto* i : indices) {
-    if (*i && (*i)->is_cuda()) bytes += bytes_of(**i);
+  for (const auto& h : indices) {
+    if (*h.index && (*h.index)->is_cuda()) bytes += bytes_of(**h.index);
   }
-  const auto area = bytes > 0 ? pinned_area(slot, bytes) : at::Tensor();
-  std::array<std::optional<at::Tensor>, 2> host;
+  if (bytes == 0) return;
+  const auto area = pinned_area(slot, bytes);
   int64_t at = 0;
-  for (size_t k = 0; k < indices.size(); ++k) {
-    const auto& i = *indices[k];
-    if (!i) continue;
-    if (!i->is_cuda()) {
-      host[k] = i->contiguous();
-      continue;
-    }
-    host[k] = area.narrow(0, at, i->numel() * i->element_size())
-                  .view(i->scalar_type())
-                  .view(i->sizes())
-                  .copy_(*i, /*non_blocking=*/true);
-    at += bytes_of(*i);
+  for (const auto& h : indices) {
+    if (!*h.index || !(*h.index)->is_cuda()) continue;
+    const at::Tensor& i = **h.index;
+    *h.host = area.narrow(0, at, i.numel() * i.element_size())
+                  .view(i.scalar_type())
+                  .view(i.sizes())
+                  .copy_(i, /*non_blocking=*/true);
+    at += bytes_of(i);
   }
-  return {host[0], host[1]};
 }
 
 }  // namespace
@@ -282,20 +282,21 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   if (n_wb + n_load == 0) return;
   // Every value is checked before anything moves (a bad index writes nothing): a CPU index at
   // once, without waiting for anything; a CUDA index once it has landed, below.
-  const std::pair<const std::optional<at::Tensor>*, const char*> named[] = {
-      {&writeback_index, check.writeback_name}, {&load_index, check.load_name}};
-  for (const auto& [index, name] : named) {
-    if (*index && !(*index)->is_cuda()) {
-      check_index_values((*index)->contiguous(), check.rows, name);
+  std::optional<at::Tensor> wb, load;
+  const std::array<HostIndex, 2> indices{{{&writeback_index, &wb, check.writeback_name},
+                                          {&load_index, &load, check.load_name}}};
+  for (const auto& h : indices) {
+    if (*h.index && !(*h.index)->is_cuda()) {
+      *h.host = (*h.index)->contiguous();
+      check_index_values(**h.host, check.rows, h.name);
     }
   }
 
   DeviceState& state = state_of(device.index());
   std::lock_guard<std::mutex> lock(state.mutex);
   if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
-  std::optional<at::Tensor> wb, load;
   try {
-    std::tie(wb, load) = queue_to_host({&writeback_index, &load_index}, state.index);
+    queue_to_host(indices, state.index);
   } catch (...) {
     cur.synchronize();  // a copy already queued into the area must land before another call
     throw;
@@ -305,14 +306,12 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   // The host touches tables and batch only after the work queued before (and the indices
   // have landed).
   start->synchronize();
-  for (const auto& [index, name] : named) {
-    if (*index && (*index)->is_cuda()) {
-      check_index_values(index == &writeback_index ? *wb : *load, check.rows, name);
-    }
+  for (const auto& h : indices) {
+    if (*h.index && (*h.index)->is_cuda()) check_index_values(**h.host, check.rows, h.name);
   }
   if (tables.empty() || total_rb == 0) return;
   for (auto* i : {&wb, &load}) {
-    if (*i) *i = (*i)->to(at::kLong).contiguous();
+    if (*i) *i = (*i)->to(at::kLong);  // contiguous already
   }
   const auto t0 = Clock::now();
   // The zero-copy share: none where no kernel can address the tables, else fixed by the test
