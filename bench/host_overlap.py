@@ -1,6 +1,6 @@
 """Whether the host paths' CPU work and their copies over PCIe can overlap on this machine, or
-share one limit (the host memory both go through): 131,072 random rows of 512 B (64 MiB) of
-an 8 GiB pinned table, both directions. In rotated order for --rounds rounds, medians of
+share one limit (the host memory both go through): random rows of a pinned table (by default
+131,072 rows of 512 B, 64 MiB, of an 8 GiB table), both directions. In rotated order for --rounds rounds, medians of
 --reps runs (wall clock, the GPU synchronized around each):
 
 - cpu: our CPU op alone (pinned_scatter / pinned_gather_into, rows and index on the host);
@@ -11,9 +11,10 @@ an 8 GiB pinned table, both directions. In rotated order for --rounds rounds, me
   at 0, a CPU index: the CPU op and the copy in 2 MiB chunks, each chunk's work as it lands);
 - host_copy: 1 GiB copied host to host by torch with the same threads (the memory's own rate).
 
-Needs a GPU and 8 GiB of pinnable memory. Writes <out>/host_overlap-<tag>.json.
+Needs a GPU and the table's pinnable memory. Writes <out>/host_overlap-<tag>.json.
 
     python3 bench/host_overlap.py [--tag T] [--rounds 3] [--reps 9] [--out bench/results]
+                                  [--row-bytes 512] [--rows 131072] [--span-gib 8]
 """
 import argparse
 import json
@@ -34,13 +35,16 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--row-bytes", type=int, default=512)
+    p.add_argument("--rows", type=int, default=131072, help="rows moved")
+    p.add_argument("--span-gib", type=int, default=8, help="the table's size")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     ops = speedtorch_ops
     dev = torch.device("cuda")
     gen = generator()
-    rb, n = 512, 131072
-    table = pinned_table((8 * GIB // rb, rb // 4), gen)
+    rb, n = a.row_bytes, a.rows
+    table = pinned_table((a.span_gib * GIB // rb, rb // 4), gen)
     idx = random_index(table.size(0), n, gen)
     host_rows = pinned_table((n, rb // 4), gen)
     other_host = pinned_table((n, rb // 4), gen)
@@ -77,7 +81,7 @@ def main():
         print(f"{a.tag} round {r}: " + ", ".join(f"{k} {rounds[k][-1]:.3f}" for k in names),
               flush=True)
     rec = {"device": torch.cuda.get_device_name(), "threads": torch.get_num_threads(),
-           "row_bytes": rb, "rows": n, "table_gib": 8, "ms": rounds}
+           "row_bytes": rb, "rows": n, "table_gib": a.span_gib, "ms": rounds}
     with open(os.path.join(a.out, f"host_overlap-{a.tag}.json"), "w") as f:
         json.dump(rec, f, indent=1)
 

@@ -5,8 +5,8 @@
 //   cur:  zero-copy write-back, then zero-copy load (sorted reads, each distinct row once).
 //   dma:  write-back rows gathered from the batch into device scratch (one launch), copied to
 //         pinned staging chunk by chunk; the host scatters each chunk into the tables as it
-//         lands. Then the host gathers the load rows chunk by chunk into pinned staging, each
-//         chunk copied up while the next is gathered, and one launch moves them into the batch.
+//         lands. Then the host gathers the load rows into pinned staging, each chunk copied
+//         up as soon as it is in, and one launch moves them into the batch.
 //   cur waits for dma at the end; the call returns when the host part is done.
 #include "hybrid.h"
 
@@ -22,7 +22,11 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <utility>
 
 namespace speedtorch_ops::cuda_impl {
@@ -57,9 +61,51 @@ struct Side {
   at::Tensor cpu_rows;
 };
 
+// Gathers rows `rows` of every table into `staging` (position j at staging row j) and calls
+// queue(b, len) once positions [b, b + len) of a chunk are all in, to queue that chunk's copy.
+// One parallel region for all chunks: each thread gathers its share of every chunk in turn and
+// the thread that completes a chunk queues its copy, so no thread waits for the others between
+// chunks. A parallel_for per chunk, joined before the host queued the chunk's copy, was slower
+// (H100 host, 16 threads, the CPU side's load in the same processes, three calls: 8 GiB, 1 M
+// random 64 B rows 2.04-2.84 ms against 2.23-3.25; 512 k of 24 GiB 1.16-1.46 against
+// 1.22-1.61; bench/RESULTS.md).
+void gather_chunks(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
+                   const at::Tensor& rows, Staging& staging, int64_t chunk,
+                   const c10::Device& device, const std::function<void(int64_t, int64_t)>& queue) {
+  const int64_t n = rows.numel();
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t shares = std::max<int64_t>(1, at::get_num_threads());
+  // Shares of chunk c still being gathered.
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[chunks]);
+  for (int64_t c = 0; c < chunks; ++c) left[c].store(shares, std::memory_order_relaxed);
+  std::mutex queueing;  // the copies are queued one at a time, on one stream
+  at::parallel_for(0, shares, 1, [&](int64_t s0, int64_t s1) {
+    c10::cuda::CUDAGuard guard(device);  // a worker thread queues copies too
+    // Chunk by chunk even where a thread has several shares (or the region runs inline).
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b = c * chunk, len = std::min(chunk, n - b);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t from = b + len * s / shares, to = b + len * (s + 1) / shares;
+        if (to > from) {
+          const auto part = rows.narrow(0, from, to - from);
+          for (const auto k : c10::irange(pairs.size())) {
+            auto out = staging.rows(pairs, k, from, to - from, tables[k]);
+            gather_rows_cpu(tables[k], part, out, /*for_device=*/true);
+          }
+        }
+        // acq_rel: the other shares' rows are written before their count reaches zero here.
+        if (left[c].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          std::lock_guard<std::mutex> lock(queueing);
+          queue(b, len);
+        }
+      }
+    }
+  });
+}
+
 // Load only: the zero-copy kernels read positions [0, z) of the index, CPU threads the rest,
-// chunk by chunk into pinned staging, each chunk copied straight to its place in the batch while
-// the next is gathered. A load has no duplicates to resolve, so no split pass and no scratch.
+// into pinned staging, each chunk copied straight to its place in the batch as soon as it is
+// in. A load has no duplicates to resolve, so no split pass and no scratch.
 void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
                       const at::Tensor& idx, const c10::Device& device,
                       const at::cuda::CUDAStream& cur, DeviceState& state, Sample& sample) {
@@ -77,15 +123,10 @@ void load_by_position(const std::vector<Pair>& pairs, const std::vector<at::Tens
   const int64_t chunk = chunk_rows(pairs);
   if (z < n) {
     Staging staging(pairs, n - z, device, dma, state.up, /*scratch=*/false);
-    for (int64_t b = 0; b < n - z; b += chunk) {
-      const int64_t len = std::min(chunk, n - z - b);
-      const auto rows = idx.narrow(0, z + b, len);
-      for (const auto k : c10::irange(pairs.size())) {
-        auto out = staging.rows(pairs, k, b, len, tables[k]);
-        gather_rows_cpu(tables[k], rows, out, /*for_device=*/true);
-      }
-      staging.copy_batch(pairs, b, len, z + b, /*to_batch=*/true, dma);
-    }
+    gather_chunks(pairs, tables, idx.narrow(0, z, n - z), staging, chunk, device,
+                  [&](int64_t b, int64_t len) {
+                    staging.copy_batch(pairs, b, len, z + b, /*to_batch=*/true, dma);
+                  });
   }
   sample.dma_end->record(dma);
   sample.dma_end->block(cur);  // later work on cur follows the copies
@@ -207,21 +248,16 @@ void split_by_row(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   // 2. The CPU side of the write-back, written as its chunks land.
   if (w.n_cpu > 0) write_landed(pairs, tables, swb->cpu_rows, *down, landed, chunk, accumulate);
 
-  // 3. The CPU side of the load: each chunk gathered into staging and copied up while the next
-  // is gathered; one launch moves the rows into the batch once the zero-copy write-back (which
-  // reads the batch) is done.
+  // 3. The CPU side of the load: gathered into staging, each chunk copied up as soon as it is
+  // in (gather_chunks); one launch moves the rows into the batch once the zero-copy write-back
+  // (which reads the batch) is done.
   if (sload && sload->split.n_cpu > 0) {
     const hybrid::Split& l = sload->split;
     up.emplace(pairs, l.n_cpu, device, dma, state.up);
-    for (int64_t b = 0; b < l.n_cpu; b += chunk) {
-      const int64_t len = std::min(chunk, l.n_cpu - b);
-      const auto rows = sload->cpu_rows.narrow(0, b, len);
-      for (const auto k : c10::irange(pairs.size())) {
-        auto out = up->rows(pairs, k, b, len, tables[k]);
-        gather_rows_cpu(tables[k], rows, out, /*for_device=*/true);
-      }
-      up->copy_chunk(pairs, b, len, cudaMemcpyHostToDevice, dma);
-    }
+    gather_chunks(pairs, tables, sload->cpu_rows, *up, chunk, device,
+                  [&](int64_t b, int64_t len) {
+                    up->copy_chunk(pairs, b, len, cudaMemcpyHostToDevice, dma);
+                  });
     zc_wb_done.block(dma);
     move_blocks(pairs, *up, /*to_batch=*/true, cpu_pos(*sload), l.n_cpu, v, dma);
   }
