@@ -5,7 +5,9 @@ span, row bytes, rows moved), rounds in rotated order of, to the GPU and back:
 - our CPU op alone (pinned_gather_into / pinned_scatter, all on the CPU);
 - the hybrid's CPU side alone (the share hook at 0, a CPU index, rows on the GPU);
 - the automatic route with a CPU index, and with a CUDA index (the default use);
-- the PyTorch recipe (index_select into pinned staging + async copy; copy down + index_copy_).
+- the PyTorch recipe (index_select into pinned staging + async copy; copy down + index_copy_),
+  given the index on the host, and given the CUDA index (brought to the host first, as a
+  caller holding the index on the GPU would).
 
 Medians in ms (wall clock for CPU-only work, CUDA events otherwise), every round kept. Needs a
 GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png.
@@ -38,6 +40,8 @@ def paths(t, idx_cpu, idx, var, staging, staging2):
         "ours_cuda_index": ("ev", lambda: ops.pinned_gather_into(t, idx, var)),
         "recipe": ("ev", lambda: (torch.index_select(t, 0, idx_cpu, out=staging),
                                   var.copy_(staging, non_blocking=True))),
+        "recipe_cuda_index": ("ev", lambda: (torch.index_select(t, 0, idx.cpu(), out=staging),
+                                             var.copy_(staging, non_blocking=True))),
     }
     # var holds the table's own rows: the scatters leave the table as it was
     scatters = {
@@ -47,6 +51,8 @@ def paths(t, idx_cpu, idx, var, staging, staging2):
         "ours_cpu_index": ("ev", lambda: ops.pinned_scatter(t, idx_cpu, var)),
         "ours_cuda_index": ("ev", lambda: ops.pinned_scatter(t, idx, var)),
         "recipe": ("ev", lambda: (staging.copy_(var), t.index_copy_(0, idx_cpu, staging))),
+        "recipe_cuda_index": ("ev", lambda: (staging.copy_(var),
+                                             t.index_copy_(0, idx.cpu(), staging))),
     }
     return gathers, scatters
 

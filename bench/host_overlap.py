@@ -1,7 +1,7 @@
 """Whether the host paths' CPU work and their copies over PCIe can overlap on this machine, or
 share one limit (the host memory both go through): random rows of a pinned table (by default
-131,072 rows of 512 B, 64 MiB, of an 8 GiB table), both directions. In rotated order for --rounds rounds, medians of
---reps runs (wall clock, the GPU synchronized around each):
+131,072 rows of 512 B, 64 MiB, of an 8 GiB table), both directions. In rotated order for
+--rounds rounds, medians of --reps runs (wall clock, the GPU synchronized around each):
 
 - cpu: our CPU op alone (pinned_scatter / pinned_gather_into, rows and index on the host);
 - copy: the batch's 64 MiB copied between the GPU and other pinned memory alone;

@@ -139,7 +139,22 @@ void write_landed(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
                   const at::Tensor& rows, Staging& down,
                   const std::vector<at::cuda::CUDAEvent>& landed, int64_t chunk,
                   bool accumulate) {
-  const ChunkReady ready = [&](int64_t c) { landed[c].synchronize(); };
+  // One owner at a time asks the driver whether chunks have landed, in order, and the others
+  // read how far it got: with every owner synchronizing each chunk's event itself, the CPU
+  // side's write-back was slower (H100 host, 16 threads, same processes, two runs: 8 GiB,
+  // 1 M random 64 B rows 3.51-3.54 ms against 3.17-3.32; 512 k of 128 B 2.32-3.01 against
+  // 2.03-2.30; 24 GiB, 512 k of 64 B 1.97 against 1.80-1.82).
+  std::atomic<int64_t> landed_upto{0};
+  std::mutex asking;
+  const ChunkReady ready = [&](int64_t c) {
+    while (landed_upto.load(std::memory_order_acquire) <= c) {
+      std::lock_guard<std::mutex> lock(asking);
+      const int64_t k = landed_upto.load(std::memory_order_relaxed);
+      if (k > c) break;
+      landed[k].synchronize();
+      landed_upto.store(k + 1, std::memory_order_release);
+    }
+  };
   std::vector<at::Tensor> srcs;
   for (const auto k : c10::irange(pairs.size())) {
     srcs.push_back(down.rows(pairs, k, 0, rows.numel(), tables[k]));
