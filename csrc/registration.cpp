@@ -106,7 +106,7 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // change their share from the first call on, one call a share.
   m.def("_reset_hybrid_tuner(bool quick) -> ()", &speedtorch_ops::cuda_impl::reset_hybrid_tuner);
   // Test hook of the routing: the table span (bytes) from which a CUDA index over pinned host
-  // tables takes the hybrid path and write-backs go through the CPU (0 restores the defaults);
+  // tables takes the hybrid path and write-backs go through the CPU (0 restores the default);
   // returns the previous setting.
   m.def("_set_hybrid_min_span(int bytes) -> int",
         &speedtorch_ops::cuda_impl::set_hybrid_min_span);

@@ -116,7 +116,6 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.row_bytes = widest_rb;
   t.call.hybrid_share = cuda_impl::fixed_share();
   t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
-  t.call.host_write_min_span = cuda_impl::host_write_min_span();
   const Path path = route::route(t.call);
   raise_if_refused(path, t, device);
 

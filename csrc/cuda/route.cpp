@@ -17,10 +17,13 @@ constexpr int64_t kSortedLoadMin = 32768;
 // Write-backs into host-mapped tables wider than this go in sorted order (each distinct row
 // written once, by the last position of its run). Narrower ones go in the caller's order, the
 // last position of each row marked first (launch_mark_last) instead of sorted: fewer launches
-// and no sort's host time, and random writes there are as fast as sorted ones. On the H100
-// (bench/sweep.py, 131 k random 512 B rows): a 1 GiB table took 1.358 ms by a plain unsorted
-// kernel against 1.423 sorted; an 8 GiB one 4.135 against 2.292.
-constexpr int64_t kUnsortedWriteMaxSpan = int64_t{1} << 30;
+// and no sort's host time, and random writes there are as fast as sorted ones. Past this span
+// random writes hit a row rate (about 100 M rows/s, address translation) that the link hides
+// only for wide rows. On the H100 (a probe of two runs, unsorted against sorted in one
+// process, bench/RESULTS.md): into 256 MiB unsorted won by 0.03-0.1 ms for 32-512 B rows; into
+// 1 GiB 131 k random rows of 32-256 B took 1.25-1.44 ms unsorted against 0.31-0.79 sorted, 1 M
+// of 32 B 9.9-10.1 against 1.9-2.0, while 512 B rows tied (1.44 against 1.38-1.45: the link).
+constexpr int64_t kUnsortedWriteMaxSpan = int64_t{256} << 20;
 
 // Hybrid calls smaller than this go through the zero-copy kernels alone: the CPU side's host
 // wait and staging would cost more than they save.
@@ -29,16 +32,6 @@ constexpr int64_t kHybridMinBytes = int64_t{2} << 20;
 bool hybrid_pays(const Call& c) {
   if (c.hybrid_share >= 0) return c.hybrid_share < 1.0;  // the test hook forces a split
   return c.moved_bytes >= kHybridMinBytes;
-}
-
-// The span from which write-backs alone go through the CPU: the hybrid's span, but for narrow
-// rows by a CUDA index host_write_min_span (see Call::kHostWriteMinSpan). A CPU index costs no
-// copy to the host, and the CPU side alone beat the split there (bench/cpu_side.py, 1 M rows
-// of 32-64 B into 8 GiB: 3.7-4.2 ms against 5.2-6.1).
-int64_t host_write_span(const Call& c) {
-  const int64_t wide = std::min(c.hybrid_min_span, c.host_write_min_span);
-  return c.row_bytes < Call::kNarrowRowBytes && c.index_on_device ? c.host_write_min_span
-                                                                  : wide;
 }
 
 // A call the hybrid serves: loads of narrow rows from a table of hybrid_min_span and more go
@@ -66,7 +59,7 @@ Path route(const Call& c) {
   // index comes to the host (a wait for its stream), so not for calls that must not wait.
   if (!c.device_tables && c.writeback_rows > 0 && c.load_rows == 0 && !c.presorted &&
       (!c.index_on_device || (c.may_wait && !c.capturing)) &&
-      c.mapped_span >= host_write_span(c) && hybrid_pays(c)) {
+      c.mapped_span >= c.hybrid_min_span && hybrid_pays(c)) {
     return Path::kHostStaged;
   }
   if (!c.index_on_device && !c.device_tables && hybrid_pays(c)) return split_or_cpu(c);

@@ -34,27 +34,19 @@ struct Call {
   int64_t row_bytes = std::numeric_limits<int64_t>::max();
   double hybrid_share = -1.0;    // the hybrid test hook's fixed zero-copy share; < 0: automatic
   int64_t mapped_span = 0;       // bytes of the largest host-mapped table
-  // From this span up, a CUDA index over host-mapped tables takes the hybrid path (see route).
+  // From this span up, a CUDA index over host-mapped tables takes the hybrid path, and
+  // write-backs alone (no load in the call) go through the CPU (see route).
   int64_t hybrid_min_span = kHybridMinSpan;
 
   // Measured on the H100 (bench/sweep.py, 131 k random 512 B rows, 16 threads, a CPU index for
   // the hybrid): zero-copy read 4 GiB in 1.66 ms against the hybrid's 1.84, but 8 GiB in 2.60
   // against 1.77, 24 GiB in 3.98 against 1.85, and 128 B rows of 8 GiB in 4.04 against 2.47.
+  // Write-backs alone by a CUDA index (a probe of two runs, bench/RESULTS.md; the zero-copy
+  // kernels' time grows with the span): into 6 GiB the CPU threads wrote 512 k random 64 B
+  // rows in 1.56-1.60 ms against 3.21-3.27, 256 k of 32 B 0.87-0.97 against 2.77-2.79, 1 M of
+  // 32-64 B 2.79-3.09 against 2.95-2.98; into 4 GiB the zero-copy kernels still won for 1 M
+  // rows of 32 B (1.82 against 2.88-3.04) and for 128-512 B rows.
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
-  // From this span up, write-backs alone (no load in the call) of rows narrower than
-  // kNarrowRowBytes by a CUDA index into host-mapped tables go through the CPU; wider rows,
-  // and any rows by a CPU index, from hybrid_min_span up, or from this span if it is lower
-  // (see route).
-  int64_t host_write_min_span = kHostWriteMinSpan;
-  // Measured on the H100 (bench/sweep.py and the scatter probe of bench/RESULTS.md, 16
-  // threads): into 24 GiB, CPU threads wrote 131 k random 512 B rows in 2.08 ms against 3.70
-  // for the zero-copy kernels, 512 k rows of 64 B in 2.55 against 10.2, of 128 B in 3.34
-  // against 9.62. Narrow rows by a CUDA index, 1 M rows of 32-64 B (probes of three calls,
-  // bench/RESULTS.md): the zero-copy kernels' time grows with the span (64 B: 4.1-4.2 ms into
-  // 8 GiB, 5.3-5.4 into 10, 6.5 into 12, 7.7 into 14) where the CPU threads' stays at
-  // 3.7-5.5; into 8 GiB the zero-copy kernels won or tied (4.1-4.3 against 3.3-5.8), into
-  // 10 GiB the CPU threads won (3.7-5.5, medians 4.5-4.8, against 5.3-5.5).
-  static constexpr int64_t kHostWriteMinSpan = int64_t{10} << 30;
   // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
   // CPU alone (see route). Measured on the H100 (bench/cpu_side.py, 16 threads, a CPU index,
   // minimums of three rounds): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms

@@ -59,10 +59,10 @@ TEST_CASE("route: the sorted read starts at 32768 loaded rows") {
   REQUIRE(route(call(Memory::kMappedHost, true, 32768)) == Path::kZeroCopySorted);
 }
 
-TEST_CASE("route: write-backs go in sorted order only into host tables wider than 1 GiB") {
+TEST_CASE("route: write-backs go in sorted order only into host tables wider than 256 MiB") {
   auto wb = call(Memory::kMappedHost, true, 0);
   wb.writeback_rows = 1 << 20;
-  wb.mapped_span = int64_t{1} << 30;
+  wb.mapped_span = int64_t{256} << 20;
   REQUIRE(route(wb) == Path::kZeroCopy);
   wb.mapped_span += 1;
   REQUIRE(route(wb) == Path::kZeroCopySorted);
@@ -76,29 +76,21 @@ TEST_CASE("route: write-backs alone into a very wide host table go through the C
     auto wb = call(Memory::kMappedHost, on_device, 0);
     wb.writeback_rows = 1000;
     wb.moved_bytes = 1000 * 4096;
-    wb.mapped_span = Call::kHostWriteMinSpan;
+    wb.mapped_span = Call::kHybridMinSpan;
     return wb;
   };
   for (bool on_device : {true, false}) {
     const auto wb = lone_writeback(on_device);
     REQUIRE(route(wb) == Path::kHostStaged);
     REQUIRE(speedtorch_ops::route::reads_index_on_host(route(wb)));
-    // rows of 128 B and more from the hybrid's span up, narrower ones from 10 GiB
-    REQUIRE(route(changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan; })) ==
-            Path::kHostStaged);
+    // rows of every width, by either index, from the hybrid's span up
     auto narrower = changed(wb, [](Call& c) { c.mapped_span = Call::kHybridMinSpan - 1; });
     REQUIRE(route(narrower) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
-    // narrow rows by a CUDA index from 10 GiB (by a CPU index from the hybrid's span)
-    auto narrow_rows = changed(wb, [](Call& c) {
-      c.row_bytes = Call::kNarrowRowBytes - 1;
-      c.mapped_span = Call::kHostWriteMinSpan - 1;
-    });
-    REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHostStaged));
-    narrow_rows.mapped_span = Call::kHostWriteMinSpan;
+    auto narrow_rows = changed(wb, [](Call& c) { c.row_bytes = Call::kNarrowRowBytes - 1; });
     REQUIRE(route(narrow_rows) == Path::kHostStaged);
     narrow_rows.mapped_span = Call::kHybridMinSpan - 1;
     REQUIRE(route(narrow_rows) == (on_device ? Path::kZeroCopySorted : Path::kHybrid));
-    narrower.hybrid_min_span = narrower.host_write_min_span = 1 << 20;  // the test hook
+    narrower.hybrid_min_span = 1 << 20;  // the test hook
     REQUIRE(route(narrower) == Path::kHostStaged);
     auto with_load = wb;  // a swap keeps its split (or zero-copy)
     with_load.load_rows = 1000;
@@ -197,7 +189,7 @@ TEST_CASE("route: a CUDA index over a huge pinned table takes the hybrid path") 
   REQUIRE(route(changed(huge, [](Call& c) { c.add(Memory::kDevice); })) == Path::kZeroCopy);
   // bounds_check='prechecked': the caller must not wait
   REQUIRE(route(changed(huge, [](Call& c) { c.may_wait = false; })) == Path::kZeroCopy);
-  // with a write-back: zero-copy, sorted writes past 1 GiB
+  // with a write-back: zero-copy, sorted writes past 256 MiB
   REQUIRE(route(changed(huge, [](Call& c) { c.writeback_rows = 1; })) ==
           Path::kZeroCopySorted);
   auto small = call(Memory::kMappedHost, true, 10);  // 40 KiB: not worth a wait

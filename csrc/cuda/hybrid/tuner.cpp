@@ -18,7 +18,7 @@ namespace {
 
 std::atomic<double> g_fixed_share{-1.0};
 std::atomic<bool> g_quick_search{false};  // the test hook (reset_hybrid_tuner)
-std::atomic<int64_t> g_min_span{0};  // the test hook; 0: the defaults
+std::atomic<int64_t> g_min_span{0};  // the test hook; 0: the default
 
 int log2_bucket(int64_t v) {
   int b = 0;
@@ -116,13 +116,8 @@ int64_t hybrid_min_span() {
   return hook > 0 ? hook : route::Call::kHybridMinSpan;
 }
 
-int64_t host_write_min_span() {
-  const int64_t hook = g_min_span.load();
-  return hook > 0 ? hook : route::Call::kHostWriteMinSpan;
-}
-
 int64_t set_hybrid_min_span(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0, "bytes must be >= 0 (0 restores the defaults), got ", bytes);
+  TORCH_CHECK(bytes >= 0, "bytes must be >= 0 (0 restores the default), got ", bytes);
   return g_min_span.exchange(bytes);
 }
 

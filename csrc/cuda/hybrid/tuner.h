@@ -49,15 +49,12 @@ double fixed_share();
 double set_hybrid_share(double share);
 
 // @brief The table span from which a CUDA index over host-mapped tables takes the hybrid path
-// (route::Call::kHybridMinSpan unless a test set another).
+// and write-backs alone go through the CPU (route::Call::kHybridMinSpan unless a test set
+// another).
 int64_t hybrid_min_span();
 
-// @brief The table span from which write-backs into host-mapped tables go through the CPU
-// (route::Call::kHostWriteMinSpan unless a test set another).
-int64_t host_write_min_span();
-
-// @brief The test hook: both spans above become `bytes` (> 0; 0 restores the defaults).
-// Returns the previous setting (0: the defaults).
+// @brief The test hook: the span above becomes `bytes` (> 0; 0 restores the default).
+// Returns the previous setting (0: the default).
 int64_t set_hybrid_min_span(int64_t bytes);
 
 }  // namespace speedtorch_ops::cuda_impl
