@@ -118,6 +118,40 @@ def test_many_chunks_and_sorted_reads(share, gen):
         data = gather_then_scatter(table, data, 24576, gen)
 
 
+@pytest.mark.parametrize("threads", [1, 3, 7])
+@pytest.mark.parametrize("row_floats", [8, 25, 32])
+@pytest.mark.parametrize("fixed", [0.0, 0.37])
+def test_cpu_side_gathers_every_chunk_on_any_thread_count(threads, row_floats, fixed, gen):
+    """The CPU side gathers a load in one parallel region, each thread taking its share of
+    every 2 MiB chunk and the last one in queueing the chunk's copy. With 1, 3 or 7 threads
+    (uneven shares; a last chunk of 5 rows leaves most shares empty), rows of 32 B and 100 B
+    (normal stores) and 128 B (streamed), a load alone (share 0) and a swap's load (split by
+    row), every row lands where plain indexing puts it."""
+    row_bytes = row_floats * 4
+    chunk = max(1024, (2 << 20) // row_bytes)
+    n = 2 * chunk + 5
+    data = random_rows((3000, row_floats), torch.float32, gen)
+    table = pinned(data)
+    load = cpu_index(n, 3000, gen)
+    wb = cpu_index(n, 3000, gen)
+    written = random_rows((n, row_floats), torch.float32, gen).cuda()
+    previous_threads = torch.get_num_threads()
+    previous_share = _ops._set_hybrid_share.default(fixed)
+    try:
+        torch.set_num_threads(threads)
+        out = torch.full((n, row_floats), -1.0, device="cuda")
+        speedtorch_ops.pinned_gather_into(table, load, out)
+        assert torch.equal(out.cpu(), data[load]), f"seed {gen.initial_seed()}"
+        batch = written.clone()
+        speedtorch_ops.optimizer_state_swap([table], [batch], wb, load)
+        ref = last_wins_reference(data, wb, written)
+        assert torch.equal(table, ref), f"seed {gen.initial_seed()}"
+        assert torch.equal(batch.cpu(), ref[load]), f"seed {gen.initial_seed()}"
+    finally:
+        torch.set_num_threads(previous_threads)
+        _ops._set_hybrid_share.default(previous_share)
+
+
 def test_more_stores_than_one_launch_holds(share, gen):
     datas = [random_rows((900, 8 + k), torch.float32, gen) for k in range(10)]  # > 8 tables
     stores = [pinned(d) for d in datas]
