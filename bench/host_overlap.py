@@ -4,7 +4,7 @@ share one limit (the host memory both go through): random rows of a pinned table
 --rounds rounds, medians of --reps runs (wall clock, the GPU synchronized around each):
 
 - cpu: our CPU op alone (pinned_scatter / pinned_gather_into, rows and index on the host);
-- copy: the batch's 64 MiB copied between the GPU and other pinned memory alone;
+- copy: the batch's bytes copied between the GPU and other pinned memory alone;
 - both: that copy queued, then the CPU op at once, until both are done (the two share nothing
   but the machine);
 - cpu_side: the op with the rows on the GPU through the hybrid's CPU side alone (the share hook

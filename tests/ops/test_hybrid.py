@@ -124,9 +124,10 @@ def test_many_chunks_and_sorted_reads(share, gen):
 def test_cpu_side_gathers_every_chunk_on_any_thread_count(threads, row_floats, fixed, gen):
     """The CPU side gathers a load in one parallel region, each thread taking its share of
     every 2 MiB chunk and the last one in queueing the chunk's copy. With 1, 3 or 7 threads
-    (uneven shares; a last chunk of 5 rows leaves most shares empty), rows of 32 B and 100 B
-    (normal stores) and 128 B (streamed), a load alone (share 0) and a swap's load (split by
-    row), every row lands where plain indexing puts it."""
+    (uneven shares; at share 0 a last chunk of 5 rows, where some of 7 shares are empty), rows
+    of 32 B and 100 B (normal stores) and 128 B (streamed), a load alone and a swap (at share 0
+    a write-back through the CPU then a load; at 0.37 both split by row), every row lands where
+    plain indexing puts it."""
     row_bytes = row_floats * 4
     chunk = max(1024, (2 << 20) // row_bytes)
     n = 2 * chunk + 5
@@ -410,7 +411,7 @@ def test_cuda_index_over_a_huge_table(share, huge_tables, accumulate, gen):
 def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_floats, on_device,
                                                           gen):
     """Loads of rows under 128 B from a table past the span threshold go through the CPU side
-    alone (32 and 64 B rows staged with streaming stores, 100 B rows with memcpy): the same
+    alone (staged with normal stores: narrower than 128 B rows do not stream): the same
     rows as plain indexing, by a CUDA or a CPU index; a swap that also writes back keeps its
     route (the split for a CPU index, zero-copy for a CUDA one), a write-back alone goes
     through the CPU. (Which path each call takes: tests/cpp/test_route.cpp.)"""
@@ -438,9 +439,9 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
 @pytest.mark.parametrize("row_floats", [8, 25, 128])
 def test_cpu_side_reads_a_table_past_the_caches(huge_tables, row_floats, gen):
     """The CPU side reads rows of a pinned table of 256 MiB and more a few rows ahead of the
-    copy (prefetch hints) and streams them into staging (8 and 128 floats) or copies them
-    (25): every row as plain indexing's, by a CUDA and a CPU index, first and last rows
-    included."""
+    copy (prefetch hints) and streams them into staging (128 floats) or copies them (8 and 25:
+    rows under 128 B): every row as plain indexing's, by a CUDA and a CPU index, first and last
+    rows included."""
     rows = -(-((256 << 20) // 4) // row_floats)
     table = speedtorch_ops.empty_pinned((rows, row_floats), torch.float32)
     table.copy_(random_rows((rows, row_floats), torch.float32, gen))

@@ -143,7 +143,9 @@ void write_landed(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
   // read how far it got: with every owner synchronizing each chunk's event itself, the CPU
   // side's write-back was slower (H100 host, 16 threads, same processes, two runs: 8 GiB,
   // 1 M random 64 B rows 3.51-3.54 ms against 3.17-3.32; 512 k of 128 B 2.32-3.01 against
-  // 2.03-2.30; 24 GiB, 512 k of 64 B 1.97 against 1.80-1.82).
+  // 2.03-2.30; 24 GiB, 512 k of 64 B 1.97 against 1.80-1.82). An owner waiting on the lock
+  // may wait for a later chunk than its own; waiters that spun on the count instead of the
+  // lock were no faster (bench/RESULTS.md).
   std::atomic<int64_t> landed_upto{0};
   std::mutex asking;
   const ChunkReady ready = [&](int64_t c) {
@@ -346,50 +348,59 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   DeviceState& state = state_of(device.index());
   std::lock_guard<std::mutex> lock(state.mutex);
   if (state.last_done) state.last_done->synchronize();  // the staging areas are free again
+  // A failure after this point waits for what the call queued before it leaves: the index
+  // copies (into the index area, on cur) and the CPU side's copies (on dma, which write the
+  // batch and read the staging areas behind the caching allocator's and last_done's backs),
+  // so the next call, or the batch's next owner, finds nothing in flight.
   try {
     queue_to_host(indices, state.index);
+    auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+    start->record(cur);
+    // The host touches tables and batch only after the work queued before (and the indices
+    // have landed).
+    start->synchronize();
+    for (const auto& h : indices) {
+      if (*h.index && (*h.index)->is_cuda()) check_index_values(**h.host, check.rows, h.name);
+    }
+    if (tables.empty() || total_rb == 0) return;
+    for (auto* i : {&wb, &load}) {
+      if (*i) *i = (*i)->to(at::kLong);  // contiguous already
+    }
+    const auto t0 = Clock::now();
+    // The zero-copy share: none where no kernel can address the tables, else fixed by the test
+    // hook or tuned (after the wait above, so the previous call's timing events on this stream
+    // have completed).
+    const double fixed = fixed_share();
+    const auto key = tune_key(device.index(), wb.has_value(), load.has_value(), n_wb + n_load,
+                              total_rb, span);
+    const double share = path == route::Path::kHostStaged ? 0.0
+                         : fixed >= 0                     ? fixed
+                                                          : tuned_share(key);
+    Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
+                  std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
+                  n_wb + n_load};
+    sample.zc_end->record(cur);  // no zero-copy side yet; the sides that queue one record again
+    if (wb && share == 0.0) {
+      writeback_on_host(pairs, tables, *wb, accumulate, device, cur, state, sample);
+      if (load) load_by_position(pairs, tables, *load, device, cur, state, sample);
+    } else if (wb) {
+      split_by_row(pairs, tables, *wb, load, accumulate, device, cur, state, sample, t0);
+    } else {
+      load_by_position(pairs, tables, *load, device, cur, state, sample);
+    }
+    sample.host_ms = ms_since(t0);
+    state.last_done.emplace();
+    state.last_done->record(cur);  // after cur waited for dma: the end of all of this call's work
+    if (path != route::Path::kHostStaged && fixed < 0) record_sample(key, std::move(sample));
   } catch (...) {
-    cur.synchronize();  // a copy already queued into the area must land before another call
+    try {
+      cur.synchronize();
+      dma_stream(device.index()).synchronize();
+    } catch (...) {
+      // A context too broken to wait on: the first error is the one to report.
+    }
     throw;
   }
-  auto start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
-  start->record(cur);
-  // The host touches tables and batch only after the work queued before (and the indices
-  // have landed).
-  start->synchronize();
-  for (const auto& h : indices) {
-    if (*h.index && (*h.index)->is_cuda()) check_index_values(**h.host, check.rows, h.name);
-  }
-  if (tables.empty() || total_rb == 0) return;
-  for (auto* i : {&wb, &load}) {
-    if (*i) *i = (*i)->to(at::kLong);  // contiguous already
-  }
-  const auto t0 = Clock::now();
-  // The zero-copy share: none where no kernel can address the tables, else fixed by the test
-  // hook or tuned (after the wait above, so the previous call's timing events on this stream
-  // have completed).
-  const double fixed = fixed_share();
-  const auto key = tune_key(device.index(), wb.has_value(), load.has_value(), n_wb + n_load,
-                            total_rb, span);
-  const double share = path == route::Path::kHostStaged ? 0.0
-                       : fixed >= 0                     ? fixed
-                                                        : tuned_share(key);
-  Sample sample{start, std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault),
-                std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault), share, 0, 0,
-                n_wb + n_load};
-  sample.zc_end->record(cur);  // no zero-copy side yet; the sides that queue one record again
-  if (wb && share == 0.0) {
-    writeback_on_host(pairs, tables, *wb, accumulate, device, cur, state, sample);
-    if (load) load_by_position(pairs, tables, *load, device, cur, state, sample);
-  } else if (wb) {
-    split_by_row(pairs, tables, *wb, load, accumulate, device, cur, state, sample, t0);
-  } else {
-    load_by_position(pairs, tables, *load, device, cur, state, sample);
-  }
-  sample.host_ms = ms_since(t0);
-  state.last_done.emplace();
-  state.last_done->record(cur);  // after cur waited for dma: the end of all of this call's work
-  if (path != route::Path::kHostStaged && fixed < 0) record_sample(key, std::move(sample));
 }
 
 }  // namespace speedtorch_ops::cuda_impl
