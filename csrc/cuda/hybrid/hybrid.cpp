@@ -287,6 +287,11 @@ struct HostIndex {
   const std::optional<at::Tensor>* index;
   std::optional<at::Tensor>* host;
   const char* name;
+
+  // The index, if the call has it and it is on the GPU (cuda) or on the host (!cuda).
+  const at::Tensor* given(bool cuda) const {
+    return *index && (*index)->is_cuda() == cuda ? &**index : nullptr;
+  }
 };
 
 // Queues the copies of the CUDA indices into the pinned area held in `slot` (kept between
@@ -301,19 +306,19 @@ void queue_to_host(const std::array<HostIndex, 2>& indices, at::Tensor& slot) {
   };
   int64_t bytes = 0;
   for (const auto& h : indices) {
-    if (*h.index && (*h.index)->is_cuda()) bytes += bytes_of(**h.index);
+    if (const auto* i = h.given(/*cuda=*/true)) bytes += bytes_of(*i);
   }
   if (bytes == 0) return;
   const auto area = pinned_area(slot, bytes);
   int64_t at = 0;
   for (const auto& h : indices) {
-    if (!*h.index || !(*h.index)->is_cuda()) continue;
-    const at::Tensor& i = **h.index;
-    *h.host = area.narrow(0, at, i.numel() * i.element_size())
-                  .view(i.scalar_type())
-                  .view(i.sizes())
-                  .copy_(i, /*non_blocking=*/true);
-    at += bytes_of(i);
+    const at::Tensor* i = h.given(/*cuda=*/true);
+    if (i == nullptr) continue;
+    *h.host = area.narrow(0, at, i->numel() * i->element_size())
+                  .view(i->scalar_type())
+                  .view(i->sizes())
+                  .copy_(*i, /*non_blocking=*/true);
+    at += bytes_of(*i);
   }
 }
 
@@ -339,8 +344,8 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   const std::array<HostIndex, 2> indices{{{&writeback_index, &wb, check.writeback_name},
                                           {&load_index, &load, check.load_name}}};
   for (const auto& h : indices) {
-    if (*h.index && !(*h.index)->is_cuda()) {
-      *h.host = (*h.index)->contiguous();
+    if (const auto* i = h.given(/*cuda=*/false)) {
+      *h.host = i->contiguous();
       check_index_values(**h.host, check.rows, h.name);
     }
   }
@@ -360,7 +365,7 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
     // have landed).
     start->synchronize();
     for (const auto& h : indices) {
-      if (*h.index && (*h.index)->is_cuda()) check_index_values(**h.host, check.rows, h.name);
+      if (h.given(/*cuda=*/true)) check_index_values(**h.host, check.rows, h.name);
     }
     if (tables.empty() || total_rb == 0) return;
     for (auto* i : {&wb, &load}) {
