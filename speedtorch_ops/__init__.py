@@ -20,7 +20,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
         "torch: run `pip install --no-build-isolation -e .` in the source tree."
     ) from e
 
-from .modules import HostEmbedding, HostEmbeddingBag
+from .modules import HostEmbedding, HostEmbeddingBag, clip_grad_norm_, count_parameters
 from .capture import CapturedStep
 from . import optim
 from .optim import RowWiseAdagrad
@@ -55,6 +55,8 @@ __all__ = [
     "is_zero_copy_usable",
     "HostEmbedding",
     "HostEmbeddingBag",
+    "count_parameters",
+    "clip_grad_norm_",
     "CapturedStep",
     "optim",
     "RowWiseAdagrad",

@@ -96,10 +96,28 @@ def _write_tensor(f, tensor: Tensor, chunk_bytes: int, bar) -> None:
 
 
 def _read_into(f, tensor: Tensor, chunk_bytes: int, bar, path: str) -> None:
-    """Fill the contiguous CPU ``tensor`` with the next bytes of ``f``, read straight into it."""
+    """Fill ``tensor`` with the next bytes of ``f``: read straight into a contiguous CPU tensor;
+    into any other (a strided view, such as a module's optimizer state inside its rows, or a
+    GPU tensor) a chunk of rows at a time through a buffer."""
     if tensor.numel() == 0:
         return
-    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        _read_bytes(f, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), chunk_bytes,
+                    bar, path)
+        return
+    if tensor.dim() == 0:
+        tensor = tensor.view(1)
+    step = max(1, chunk_bytes // max(1, tensor[0].numel() * tensor.element_size()))
+    for start in range(0, tensor.shape[0], step):
+        part = tensor[start:start + step]
+        buffer = torch.empty(part.shape, dtype=part.dtype)
+        _read_bytes(f, memoryview(buffer.reshape(-1).view(torch.uint8).numpy()), chunk_bytes,
+                    bar, path)
+        part.copy_(buffer)
+
+
+def _read_bytes(f, view: memoryview, chunk_bytes: int, bar, path: str) -> None:
+    """Fill `view` with the next bytes of ``f``."""
     pos = 0
     while pos < len(view):
         n = f.readinto(view[pos:pos + chunk_bytes])
@@ -110,8 +128,11 @@ def _read_into(f, tensor: Tensor, chunk_bytes: int, bar, path: str) -> None:
         bar.update(n)
 
 
-def _check_target(out: Tensor, shape: Tuple[int, ...], dtype: torch.dtype, what: str) -> None:
-    if out.device.type != "cpu" or not out.is_contiguous():
+def _check_target(out: Tensor, shape: Tuple[int, ...], dtype: torch.dtype, what: str,
+                  strided: bool = False) -> None:
+    """Raise unless `out` can take a file's tensor of `shape` and `dtype` (a contiguous CPU
+    tensor; with `strided`, any tensor)."""
+    if not strided and (out.device.type != "cpu" or not out.is_contiguous()):
         raise ValueError(f"{what}: out must be a contiguous CPU tensor (a pinned table), got "
                          f"device {out.device}, contiguous={out.is_contiguous()}")
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
@@ -272,9 +293,10 @@ def load_safetensors(path: PathLike, out: Optional[Mapping[str, Tensor]] = None,
                      pin: bool = True, strict: bool = True, progress: Optional[bool] = None,
                      chunk_bytes: int = CHUNK_BYTES) -> Dict[str, Tensor]:
     """Load a safetensors file, reading straight into the tables' memory: into ``out``'s tensors
-    in place (each a contiguous CPU tensor of the file's shape and dtype; with ``strict`` the
-    file must hold exactly ``out``'s names, else it may hold more), or into new tables (pinned
-    when ``pin``). Returns name -> tensor."""
+    in place (each of the file's shape and dtype: a contiguous CPU tensor is read into
+    directly, any other, such as a module's ``state_dict()`` views, through a buffer a chunk of
+    rows at a time; with ``strict`` the file must hold exactly ``out``'s names, else it may hold
+    more), or into new tables (pinned when ``pin``). Returns name -> tensor."""
     path = os.fspath(path)
     entries, _, start = read_safetensors_header(path)
     if out is None:
@@ -288,7 +310,7 @@ def load_safetensors(path: PathLike, out: Optional[Mapping[str, Tensor]] = None,
                              f"{unexpected} (pass strict=False to ignore unexpected names)")
         for name, t in out.items():
             _check_target(t, entries[name]["shape"], entries[name]["dtype"],
-                          f"load_safetensors({name})")
+                          f"load_safetensors({name})", strided=True)
     total = sum(t.numel() * t.element_size() for t in out.values())
     bar = progress_bar(total, "loading", progress)
     try:

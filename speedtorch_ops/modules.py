@@ -19,28 +19,50 @@ per-table scalars such as Adam's ``step`` are global. So SGD equals SGD on the f
 Adam equals torch's Adam formula applied to the touched rows only (SparseAdam's rule up to where
 it adds eps). A step is one forward (pass every id tensor of the step to that one call:
 ``emb(ids_a, ids_b)`` returns one output each), one backward, one ``step()``. A forward under
-``torch.no_grad()`` or in eval mode only reads. The tables are not ``nn.Parameter``s (the module
-updates them itself, as FBGEMM's fused embeddings do): keep them out of the dense optimizer.
+``torch.no_grad()``, in eval mode or of a frozen module only reads. A forward while an earlier
+forward's rows are still staged (an exception between a forward and its ``step()``) drops them
+first, writing nothing; the dropped forward's outputs then refuse their backward. ``discard()``
+drops them explicitly. The tables are not ``nn.Parameter``s (the module updates them itself, as
+FBGEMM's fused embeddings do): keep them out of the dense optimizer; ``count_parameters`` and
+``clip_grad_norm_`` below see them.
+
+nn's options: ``padding_idx`` (that row's gradient is zero and it never updates; a bag leaves
+its entries out), ``max_norm``/``norm_type`` (looked-up rows renormalised in the table, as nn
+does, also by a read-only forward), ``scale_grad_by_freq``, ``sparse`` (accepted: the gradient
+reaches the optimizer as the touched rows only either way), ``include_last_offset`` and
+``mode="max"`` (bags), ``from_pretrained(freeze=True)`` (a frozen module only reads).
+``module.to(dtype)``, ``.double()``, ``.half()`` convert the table and its state;
+``.to(device)`` moves where the rows are staged (the table stays in host memory).
 
 Ids from the host are checked there (a bad id raises naming it; nothing is written) and
 uploaded once. Ids already on the module's GPU stay there: ``bounds_check="raise"`` (default)
 checks them on the GPU with one wait, ``"prechecked"`` trusts the caller; with those the
 whole step has no host wait and a CUDA graph can capture it (``speedtorch_ops.CapturedStep``).
+The same holds for a bag's offsets. Under ``torch.compile`` the forward, ``step()`` and the
+other methods that move rows run eagerly (Dynamo does not trace them; the model around them
+compiles).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+import warnings
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .memory import fill_random_
 from .training import optim_state
-from .training.cache import CachedRows, HostRows
-from .training.placement import allocate, resolve_dtype
+from .training.cache import CachedRows, Distinct, HostRows
+from .training.placement import allocate, resolve_dtype, upload
 from .training.plan import Plan, check_bounds_mode
+
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _default_device() -> torch.device:
@@ -57,13 +79,146 @@ def _normal_init(weight: Tensor) -> None:
         weight.normal_()
 
 
+def _eager(fn):
+    """Run `fn` eagerly under torch.compile: what moves rows reads host state (ids, counts),
+    mutates views of one staging buffer and keeps Python state between calls, none of which
+    Dynamo can trace soundly."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+@dataclass
+class _Staged:
+    """A training forward's staged step: the buffer (parts, n + spare, width) whose first
+    ``distinct.count`` rows are the step's distinct rows with their state, the distinct ids,
+    and where the padding row sits in it (``pad_at``: its position, ``pad_in``: whether the
+    step holds it; both on the device) when the module has a ``padding_idx``."""
+    buf: Tensor
+    distinct: Distinct
+    pad_at: Optional[Tensor] = None
+    pad_in: Optional[Tensor] = None
+
+
+class _Guard(torch.autograd.Function):
+    """The staged rows as the outputs see them: an identity whose backward refuses a gradient
+    of a forward whose rows were dropped (a later forward, discard()), scales a row's gradient
+    by 1 / its count in the batch (``scale_grad_by_freq``) and zeroes the padding row's."""
+
+    @staticmethod
+    def forward(ctx, rows, module, generation, counts, pad_at, pad_in):
+        ctx.module, ctx.generation = weakref.ref(module), generation
+        ctx.save_for_backward(counts, pad_at, pad_in)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        module = ctx.module()
+        if module is None or module._generation != ctx.generation:
+            raise RuntimeError(
+                "backward of a HostEmbedding/HostEmbeddingBag output whose staged rows were "
+                "dropped: a later forward (or discard()) came before this output's backward. "
+                "A module takes one forward per step (HostEmbedding: pass every id tensor of the "
+                "step to one call, emb(ids_a, ids_b); HostEmbeddingBag: put every bag of the "
+                "step in one input), then backward, then step()")
+        counts, pad_at, pad_in = ctx.saved_tensors
+        if counts.numel():
+            grad = grad / counts.clamp(min=1).unsqueeze(1)
+        if pad_at.numel():
+            keep = (~pad_in).to(grad.dtype).view(1, 1)
+            grad = grad.index_copy(0, pad_at, grad.index_select(0, pad_at) * keep)
+        return grad, None, None, None, None, None
+
+
+@dataclass
+class _BagInput:
+    """A bag forward's checked arguments on the module's device: ``offsets`` (int64; None for a
+    2-D input) and ``weights`` (per-sample weights in the table's dtype, or None)."""
+    offsets: Optional[Tensor]
+    weights: Optional[Tensor]
+
+
+_INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _bag_input(input: Tensor, offsets, per_sample_weights, mode: str, include_last_offset: bool,
+               device: torch.device, dtype: torch.dtype, check_values: bool) -> _BagInput:
+    """nn.EmbeddingBag's checks of a forward's arguments, made before any id moves. Offsets on
+    the host are checked there; offsets on a GPU with one wait for it when `check_values`."""
+    if input.dtype not in _INTEGER:
+        raise TypeError(f"input must hold integer ids, got {input.dtype}")
+    if per_sample_weights is not None and mode != "sum":
+        raise NotImplementedError(
+            f"per_sample_weights is only supported for mode='sum' (got mode={mode!r}), as in "
+            "nn.EmbeddingBag")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("offsets must be None for a 2-D input (each row is a bag of fixed "
+                             "length)")
+    elif input.dim() == 1:
+        offsets = _bag_offsets(offsets, input.numel(), include_last_offset, check_values)
+        offsets = (upload(offsets, device) if offsets.device.type == "cpu"
+                   else offsets.to(device)).to(torch.int64)
+    else:
+        raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
+    if per_sample_weights is not None:
+        per_sample_weights = torch.as_tensor(per_sample_weights)
+        if per_sample_weights.shape != input.shape:
+            raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, "
+                             f"got {tuple(per_sample_weights.shape)}")
+        if not per_sample_weights.is_floating_point():
+            raise TypeError(f"per_sample_weights must be floating point, got "
+                            f"{per_sample_weights.dtype}")
+        per_sample_weights = per_sample_weights.to(device, dtype)
+    return _BagInput(offsets, per_sample_weights)
+
+
+def _bag_offsets(offsets, n: int, include_last_offset: bool, check_values: bool) -> Tensor:
+    """`offsets` checked as nn.EmbeddingBag checks them for a 1-D input of `n` ids."""
+    if offsets is None:
+        raise ValueError("offsets is required for a 1-D input (bag b is "
+                         "input[offsets[b]:offsets[b + 1]])")
+    offsets = torch.as_tensor(offsets)
+    if offsets.dim() != 1:
+        raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in _INTEGER:
+        raise TypeError(f"offsets must be integers, got {offsets.dtype}")
+    if include_last_offset and offsets.numel() == 0:
+        raise ValueError("offsets must hold at least one entry with include_last_offset=True "
+                         "(the end of the last bag)")
+    if not check_values or offsets.numel() == 0:
+        return offsets
+    values = offsets.cpu().numpy().astype(np.int64, copy=False)  # a GPU's offsets: one wait
+    if values[0] != 0:
+        raise ValueError(f"offsets[0] must be 0 (the first bag starts at the first id), got "
+                         f"{int(values[0])}")
+    down = np.flatnonzero(np.diff(values) < 0)
+    if down.size:
+        i = int(down[0]) + 1
+        raise ValueError(f"offsets must not decrease: offsets[{i}] = {int(values[i])} follows "
+                         f"offsets[{i - 1}] = {int(values[i - 1])}")
+    if values[-1] > n:
+        raise ValueError(f"offsets[-1] = {int(values[-1])} is past the end of input ({n} ids)")
+    return offsets
+
+
+def _pool(weight: Tensor, index: Tensor, bag: _BagInput, mode: str,
+          include_last_offset: bool = False, padding_idx: Optional[int] = None) -> Tensor:
+    """The bags of `index` (the input's shape; positions in `weight`) pooled by torch's own
+    embedding_bag: nn's sums, means and maxima, and their gradients."""
+    return F.embedding_bag(index, weight, bag.offsets, mode=mode,
+                           per_sample_weights=bag.weights,
+                           include_last_offset=include_last_offset, padding_idx=padding_idx)
+
+
 class _HostRowsModule(nn.Module):
     """What both modules share: the host table, the store, staging and the optimizer step."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32,
-                 optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
-                 device=None, cache_bytes: int = 0, bounds_check: str = "raise",
-                 _weight: Optional[Tensor] = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False, *,
+                 dtype=torch.float32, optimizer=torch.optim.Adam,
+                 optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
+                 bounds_check: str = "raise", _weight: Optional[Tensor] = None,
+                 _freeze: bool = False):
         super().__init__()
         check_bounds_mode(bounds_check)
         self.bounds_check = bounds_check
@@ -76,40 +231,86 @@ class _HostRowsModule(nn.Module):
             raise TypeError("optimizer must be a torch.optim.Optimizer class, e.g. "
                             f"torch.optim.Adam, got {optimizer!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.dtype = resolve_dtype(dtype)
-        self.device = torch.device(device) if device is not None else _default_device()
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.padding_idx = self._check_padding_idx(padding_idx)
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(
+                max_norm, (int, float)) or not max_norm > 0):
+            raise ValueError(f"max_norm must be a number > 0 or None, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+            raise ValueError(f"norm_type must be a number, got {norm_type!r}")
+        for name, value in (("scale_grad_by_freq", scale_grad_by_freq), ("sparse", sparse)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = float(norm_type)
+        self.scale_grad_by_freq = scale_grad_by_freq
+        # Accepted for nn's signature: the optimizer sees the touched rows only either way.
+        self.sparse = sparse
+        self.frozen = bool(_freeze)
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"weights must have shape ({num_embeddings}, {embedding_dim}), got "
+                             f"{tuple(_weight.shape)}")
+        self._optimizer_cls = optimizer
+        self._optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._cache_budget = cache_bytes
+        device = torch.device(device) if device is not None else _default_device()
+        self._build(resolve_dtype(dtype), device)
+        with torch.no_grad():
+            if _weight is not None:
+                self._table("weight").copy_(_weight)
+            else:
+                _normal_init(self._table("weight"))
+                if self.padding_idx is not None:  # nn's padding row starts at zero
+                    self._table("weight")[self.padding_idx].zero_()
+        self.steps = 0  # step() calls so far
+        self._generation = 0  # a training forward's outputs belong to one generation
+
+    def _check_padding_idx(self, padding_idx: Optional[int]) -> Optional[int]:
+        """nn's rule: in [-rows, rows), a negative index counting from the end."""
+        if padding_idx is None:
+            return None
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, int) or not (
+                -self.num_embeddings <= padding_idx < self.num_embeddings):
+            raise ValueError(f"padding_idx must be an int in [-{self.num_embeddings}, "
+                             f"{self.num_embeddings}) (within num_embeddings), got "
+                             f"{padding_idx!r}")
+        return padding_idx % self.num_embeddings
+
+    def _build(self, dtype: torch.dtype, device: torch.device) -> None:
+        """The optimizer, the row layout, the host table (state filled, weight zero) and the
+        store, for `dtype` rows staged on `device`."""
+        if dtype not in _FLOATING:
+            raise TypeError(f"dtype: a table holds floating point rows (float16, bfloat16, "
+                            f"float32, float64), got {dtype}")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cpu" and self._cache_budget:
+            warnings.warn(f"cache_bytes={self._cache_budget} is ignored on the CPU: the table "
+                          "already lives in the memory the step runs in", stacklevel=4)
+        self.dtype, self.device = dtype, device
         # The optimizer's one parameter: its data is the staged rows' weight part.
-        self._rows = torch.zeros((0, embedding_dim), dtype=self.dtype,
-                                 device=self.device).requires_grad_()
-        self.optimizer = optimizer([self._rows], **(optimizer_kwargs or {}))
+        self._rows = torch.zeros((0, self.embedding_dim), dtype=dtype,
+                                 device=device).requires_grad_()
+        self.optimizer = self._optimizer_cls([self._rows], **self._optimizer_kwargs)
         group = self.optimizer.param_groups[0]
         self._fills, scalars = optim_state.state_layout(self.optimizer, group)
         optim_state.init_state(self.optimizer, self._rows, group, self._fills, scalars)
         self.state_keys = list(self._fills)
         per_row = optim_state.row_state_keys(self.optimizer)
         self.layout = optim_state.RowLayout(
-            embedding_dim, [k for k in self.state_keys if k not in per_row],
-            [k for k in self.state_keys if k in per_row], self.dtype)
-        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
-            raise ValueError(f"weights must have shape ({num_embeddings}, {embedding_dim}), got "
-                             f"{tuple(_weight.shape)}")
-        placement = "pinned" if self.device.type == "cuda" else "cpu"
-        self.host = allocate((num_embeddings, self.layout.parts, self.layout.width), self.dtype,
+            self.embedding_dim, [k for k in self.state_keys if k not in per_row],
+            [k for k in self.state_keys if k in per_row], dtype)
+        placement = "pinned" if device.type == "cuda" else "cpu"
+        self.host = allocate((self.num_embeddings, self.layout.parts, self.layout.width), dtype,
                              placement)
-        with torch.no_grad():
-            self.host[:, 0, embedding_dim:].zero_()  # packed per-row state and padding
-            if _weight is not None:
-                self._table("weight").copy_(_weight)
-            else:
-                _normal_init(self._table("weight"))
-            self._fill_state()
-        self.store = self._make_store(cache_bytes)
-        self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=self.dtype,
-                                    device=self.device)
-        self._staged = None
-        self.steps = 0  # step() calls so far
+        self._fill_state()
+        self.store = self._make_store(self._cache_budget)
+        self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
+                                    device=device)
+        self._staged: Optional[_Staged] = None
+        # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
+        # the buffer here exists ahead of that step, so the first step leaves it out.
+        self._momentum_started = False
+        self._scalar_views: dict = {}  # state_dict's tensors of the optimizer's Python scalars
 
     def _table(self, name: str) -> Tensor:
         """A view of the host table: "weight" (rows, dim), or a state entry's (rows, dim), or
@@ -128,11 +329,13 @@ class _HostRowsModule(nn.Module):
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         if self._staged is not None:
-            raise RuntimeError("set_cache_bytes between steps only (a forward is staged)")
+            raise RuntimeError("set_cache_bytes between steps only (a forward is staged; "
+                               "step() or discard() first)")
         store = self._make_store(cache_bytes)  # raises before anything changes
         self.store.drop_prefetch()
         self.store.flush()
         self.store = store
+        self._cache_budget = cache_bytes
 
     def _make_store(self, cache_bytes: int):
         if cache_bytes == 0 or self.device.type != "cuda":
@@ -148,26 +351,73 @@ class _HostRowsModule(nn.Module):
 
     # ---- a step --------------------------------------------------------------------------
 
-    def _stage(self, ids: Sequence) -> tuple:
-        """Stage the distinct rows of all `ids` tensors; returns (rows looked up per position,
-        the shapes to split them into)."""
-        if self._staged is not None:
-            raise RuntimeError(f"{type(self).__name__}: a second forward before step(); pass "
-                               "every id tensor of a step to one call (emb(ids_a, ids_b)), or "
-                               "call step() first")
+    @property
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and self.training and not self.frozen
+
+    def _stage(self, ids: Sequence, spare: int = 0) -> tuple:
+        """Stage the distinct rows of all `ids` tensors (a forward's staged rows still there
+        are dropped first); returns (the plan, its Distinct, the shapes of the id tensors). A
+        training forward keeps them for step(); a read-only one writes back what max_norm
+        renormalised, or nothing."""
+        self.discard()
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
         plan = self._plan(tensors)
-        buf, distinct = self.store.stage(plan)
-        training = torch.is_grad_enabled() and self.training
-        self._point_at(buf)
-        self._rows.grad = None
-        rows = self._rows.index_select(0, distinct.inverse)  # backward: an index_add, no wait
-        if training:
-            self._staged = buf
+        buf, d = self.store.stage(plan, spare)
+        try:
+            self._point_at(buf)
+            pad_at, pad_in = self._find_padding(d)
+            if self.max_norm is not None:
+                self._renorm(d)
+        except BaseException:
+            self.store.discard()
+            self._point_at(self._no_rows)
+            raise
+        if self._training:
+            self._staged = _Staged(buf, d, pad_at, pad_in)
+        elif self.max_norm is not None:
+            self.store.commit()  # nn renormalises the table under no_grad too
         else:
             self.store.discard()
-        return rows, shapes
+        return plan, d, shapes
+
+    def _find_padding(self, d: Distinct) -> tuple:
+        """(the position of the padding row among the distinct ids, whether the step holds
+        it), on the device; (None, None) without a padding_idx or ids."""
+        if self.padding_idx is None or d.n == 0:
+            return None, None
+        key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
+        pad = torch.full((1,), self.padding_idx, dtype=torch.int64, device=key.device)
+        at = torch.searchsorted(key, pad).clamp_(max=d.n - 1)
+        return at, key[at] == pad
+
+    @torch.no_grad()
+    def _renorm(self, d: Distinct) -> None:
+        """nn's max_norm: each staged row whose norm exceeds it scaled to max_norm (the rows
+        past the distinct ones are never moved, whatever this makes of them)."""
+        rows = self._rows[:d.n]
+        norms = torch.linalg.vector_norm(rows, ord=self.norm_type, dim=1, keepdim=True)
+        rows.mul_(torch.where(norms > self.max_norm, self.max_norm / (norms + 1e-7),
+                              torch.ones_like(norms)))
+
+    def _lookup_rows(self, index: Tensor, pad_at: Optional[Tensor] = None) -> Tensor:
+        """The staged weight rows as a forward reads them through `index` (positions in
+        them): in a training forward through the guard (see _Guard); `pad_at`: the padding
+        row's staged position, whose gradient the guard zeroes."""
+        if self.frozen:
+            return self._rows.detach()
+        if self._staged is None:
+            return self._rows
+        empty = index.new_empty(0)
+        counts = (torch.zeros(self._rows.shape[0], dtype=self.dtype, device=self.device)
+                  .index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=self.dtype,
+                                                               device=self.device))
+                  if self.scale_grad_by_freq else empty.to(self.dtype))
+        pad_in = self._staged.pad_in
+        if pad_at is None or pad_in is None:
+            pad_at, pad_in = empty, empty.to(torch.bool)
+        return _Guard.apply(self._rows, self, self._generation, counts, pad_at, pad_in)
 
     def _point_at(self, buf: Tensor) -> None:
         """The optimizer's parameter and its per-row state become views of `buf` (parts, n,
@@ -176,6 +426,7 @@ class _HostRowsModule(nn.Module):
         GPU budget it needs the room)."""
         with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
             self._rows.set_(self.layout.of_staged(buf, "weight"))
+        self._rows.grad = None
         state = self.optimizer.state[self._rows]
         for key in self.state_keys:
             state[key] = self.layout.of_staged(buf, key)
@@ -191,12 +442,13 @@ class _HostRowsModule(nn.Module):
         if len(tensors) == 1:
             flat = tensors[0].reshape(-1)
         elif all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors):
-            # NumPy joins host ids without waking torch's CPU thread pool (~0.3 ms per call).
+            # NumPy joins host ids without waking torch's CPU thread pool.
             flat = torch.from_numpy(np.concatenate([t.reshape(-1).numpy() for t in tensors]))
         else:
             flat = torch.cat([t.reshape(-1).to(tensors[0].device) for t in tensors])
         return Plan(flat, self.device)
 
+    @_eager
     def prefetch(self, ids, *more_ids) -> None:
         """Start loading the rows of the next step's ids (the id tensors its forward will take)
         while this step computes: call it after this step's forward, before its ``step()``
@@ -211,22 +463,50 @@ class _HostRowsModule(nn.Module):
         tensors = [torch.as_tensor(i) for i in (ids, *more_ids)]
         self.store.prefetch(self._plan(tensors))
 
+    @_eager
     def step(self) -> None:
         """Update the rows the last forward touched (and their optimizer state) with their
-        gradients, and commit them to the cache or the host table."""
-        if self._staged is None:
+        gradients, and commit them to the cache or the host table. A frozen module has
+        nothing to update: its step() does nothing."""
+        staged = self._staged
+        if staged is None:
+            if self.frozen:
+                return
             raise RuntimeError(f"{type(self).__name__}.step(): no forward (in training mode, "
                                "with grad enabled) since the last step")
         if self._rows.grad is not None and isinstance(self.optimizer, torch.optim.SparseAdam):
             self._rows.grad = self._rows.grad.to_sparse(1)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._check_capturable()
-        self.optimizer.step()
+        self._take_scalar_views()
+        pad = None
+        if staged.pad_at is not None:  # the padding row never updates: kept as staged
+            pad = staged.buf.index_select(1, staged.pad_at)
+        self._optimizer_step(staged.buf)
+        if pad is not None:
+            now = staged.buf.index_select(1, staged.pad_at)
+            staged.buf.index_copy_(1, staged.pad_at,
+                                   torch.where(staged.pad_in.view(1, 1, 1), pad, now))
         self._rows.grad = None
         self._staged = None
+        self._generation += 1  # this forward's outputs have had their backward
         self.store.commit()
         self._point_at(self._no_rows)
         self.steps += 1
+
+    def _optimizer_step(self, buf: Tensor) -> None:
+        """The optimizer's step on the staged rows, as torch's first step would run it."""
+        group = self.optimizer.param_groups[0]
+        first = (isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0
+                 and not self._momentum_started)
+        state = self.optimizer.state[self._rows]
+        if first:  # torch's first step sets the buffer to the gradient
+            del state["momentum_buffer"]
+        self.optimizer.step()
+        if first:
+            self.layout.of_staged(buf, "momentum_buffer").copy_(state["momentum_buffer"])
+            state["momentum_buffer"] = self.layout.of_staged(buf, "momentum_buffer")
+            self._momentum_started = True
 
     def _check_capturable(self) -> None:
         """A captured step replays GPU work only: state the optimizer keeps on the CPU (a step
@@ -238,21 +518,80 @@ class _HostRowsModule(nn.Module):
                                "the CPU, which a CUDA graph cannot update; build it with "
                                "capturable=True (where it has it)")
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # the rows' gradients live per step
+    @_eager
+    def discard(self) -> None:
+        """Drop the rows a training forward staged, writing nothing (after an exception
+        between a forward and its step(): the module is then as before that forward). The
+        next forward does this itself. The dropped forward's outputs refuse their backward."""
+        self._generation += 1
+        if self._staged is not None:
+            self._staged = None
+            self.store.discard()
+            self._point_at(self._no_rows)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the staged rows' gradients (as nn's zero_grad; the staged rows stay: see
+        ``discard``)."""
         self._rows.grad = None
+
+    def requires_grad_(self, requires_grad: bool = True) -> "_HostRowsModule":
+        """``requires_grad_(False)`` freezes the table (forwards only read; ``step()`` does
+        nothing), ``True`` unfreezes it; as nn's for a module's parameters."""
+        self.frozen = not requires_grad
+        return self
+
+    # ---- conversions ------------------------------------------------------------------------
+
+    def _apply(self, fn, recurse: bool = True):
+        """nn's conversions (``to``, ``double``, ``half``, ``cuda``, ``cpu``, ...) reach the
+        table: a new dtype converts it and its optimizer state, a new device moves where the
+        rows are staged (the table stays in host memory)."""
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        if isinstance(probe, Tensor) and (probe.dtype != self.dtype
+                                          or probe.device != self.device):
+            self._convert(probe.dtype, probe.device)
+        return super()._apply(fn, recurse)
+
+    def _convert(self, dtype: torch.dtype, device: torch.device) -> None:
+        """The table and its state in `dtype`, staged on `device`: a new host table, optimizer
+        (its hyperparameters and scalars carried over) and store (the same budget, empty)."""
+        self.discard()
+        self.store.drop_prefetch()
+        self.flush()
+        old = {name: self._table(name) for name in ["weight", *self.state_keys]}
+        state = self.optimizer.state[self._rows]
+        scalars = {k: v for k, v in state.items() if k not in self.state_keys}
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        started = self._momentum_started
+        self._build(dtype, device)
+        self.optimizer.param_groups[0].update(group)
+        with torch.no_grad():
+            for name, table in old.items():
+                self._table(name).copy_(table)
+        state = self.optimizer.state[self._rows]
+        for key, value in scalars.items():
+            if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
+                state[key].copy_(value)
+            else:
+                state[key] = value
+        self._momentum_started = started
 
     # ---- inspection and checkpoints --------------------------------------------------------
 
     @torch.no_grad()
     def reset_parameters(self, init: Optional[Callable[[Tensor], object]] = None) -> None:
         """Re-initialise the weight in place (``init(weight)``, default: normal(0, 1) like
-        nn.Embedding's) and the per-row optimizer state; cached copies are dropped."""
-        if self._staged is not None:
-            self.store.discard()
-            self._staged = None
+        nn.Embedding's, the padding row zero) and the per-row optimizer state; cached copies
+        are dropped."""
+        self.discard()
         self.store.reset()
         weight = self._table("weight")
-        init(weight) if init is not None else _normal_init(weight)
+        if init is not None:
+            init(weight)
+        else:
+            _normal_init(weight)
+            if self.padding_idx is not None:
+                weight[self.padding_idx].zero_()
         self._fill_state()
 
     def flush(self) -> None:
@@ -264,6 +603,17 @@ class _HostRowsModule(nn.Module):
         """The full table (a view of the host table; flushed first)."""
         self.flush()
         return self._table("weight")
+
+    def num_parameters(self) -> int:
+        """The table's weights (rows x dim): what nn's parameter count would show for it."""
+        return self.num_embeddings * self.embedding_dim
+
+    def step_parameters(self) -> list:
+        """The tensors whose ``.grad`` holds this step's gradient of the table, between
+        backward and ``step()``: the staged rows (the touched rows, each once; the rest of the
+        table's gradient is zero). For gradient clipping with the dense parameters (see
+        ``clip_grad_norm_``); scaling their ``.grad`` in place scales what ``step()`` applies."""
+        return [self._rows]
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
@@ -281,16 +631,39 @@ class _HostRowsModule(nn.Module):
                 "host_bytes": self.host[0].nbytes * moved,
                 "cache_bytes": self.store.cached_bytes()}
 
+    def _scalar_view(self, key: str, value) -> Tensor:
+        """The tensor state_dict gives for a Python scalar of the optimizer's (SparseAdam's
+        step): kept, so a checkpoint loaded into it in place (torch.distributed.checkpoint's
+        load) reaches the optimizer at the next step()."""
+        view = self._scalar_views.get(key)
+        if view is None:
+            view = torch.tensor(value)
+        else:
+            view.fill_(value)
+        self._scalar_views[key] = view
+        return view
+
+    def _take_scalar_views(self) -> None:
+        """Scalars written into state_dict's tensors since (an in-place load) go to the
+        optimizer."""
+        state = self.optimizer.state[self._rows]
+        for key, view in self._scalar_views.items():
+            value = view.item()
+            if key in state and not isinstance(state[key], Tensor) and value != state[key]:
+                state[key] = type(state[key])(value)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         self.flush()
         destination[prefix + "weight"] = self._table("weight")
         state = self.optimizer.state[self._rows]
         for key in self.state_keys:
             destination[f"{prefix}optimizer.{key}"] = self._table(key)
+        self._take_scalar_views()
         for key, value in state.items():
             if key not in self.state_keys:
-                destination[f"{prefix}optimizer.{key}"] = value.detach().clone() if isinstance(
-                    value, Tensor) else torch.tensor(value)
+                # The live tensor (an in-place load restores it); Python scalars a kept view.
+                destination[f"{prefix}optimizer.{key}"] = (
+                    value.detach() if isinstance(value, Tensor) else self._scalar_view(key, value))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -299,59 +672,136 @@ class _HostRowsModule(nn.Module):
         tables.update({f"optimizer.{key}": self._table(key) for key in self.state_keys})
         scalars = [key for key in state if key not in self.state_keys]
         expected = list(tables) + [f"optimizer.{key}" for key in scalars]
-        for name in expected:
-            if prefix + name not in state_dict:
-                missing_keys.append(prefix + name)
+        # Only this module's keys: missing_keys and error_msgs are the whole model's, and nn
+        # passes strict=True here whatever the caller asked (it judges strict itself).
+        present = [name for name in expected if prefix + name in state_dict]
+        missing_keys.extend(prefix + name for name in expected if name not in present)
         for key in state_dict:
             rest = key[len(prefix):]
             if key.startswith(prefix) and rest not in expected and (
                     rest == "weight" or rest.startswith("optimizer.")):
                 unexpected_keys.append(key)
-        for name, table in tables.items():
-            value = state_dict.get(prefix + name)
-            if value is not None and (tuple(value.shape) != tuple(table.shape)):
-                error_msgs.append(f"{prefix + name}: shape {tuple(value.shape)} in the checkpoint, "
-                                  f"{tuple(table.shape)} here")
-        if error_msgs or (strict and missing_keys):
-            return  # nothing written
-        if self._staged is not None:
-            self.store.discard()
-            self._staged = None
+        errors = []
+        for name in present:
+            value = state_dict[prefix + name]
+            shape = tuple(tables[name].shape) if name in tables else ()
+            if not isinstance(value, (Tensor, int, float)) or (
+                    isinstance(value, Tensor) and (tuple(value.shape) != shape
+                                                   and not (shape == () and value.numel() == 1))):
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                errors.append(f"{prefix + name}: shape {got} in the checkpoint, {shape} here")
+        if errors or not present:
+            error_msgs.extend(errors)
+            return  # nothing of this module written
+        self.discard()
         self.store.flush()  # a partial load keeps the cached rows' latest values
         self.store.reset()
-        for name, table in tables.items():
-            if prefix + name in state_dict:
-                table.copy_(state_dict[prefix + name])
+        with torch.no_grad():
+            for name, table in tables.items():
+                value = state_dict.get(prefix + name)
+                # A state_dict of this module loaded in place (DCP, load_safetensors) is the
+                # table itself: nothing to copy.
+                if name in present and not _same_view(value, table):
+                    table.copy_(value)
         for key in scalars:
-            if f"{prefix}optimizer.{key}" in state_dict:
-                value = state_dict[f"{prefix}optimizer.{key}"]
+            name = f"optimizer.{key}"
+            if name in present:
+                value = state_dict[prefix + name]
                 old = state[key]
                 if isinstance(old, Tensor):  # in place: a captured step holds this tensor
-                    old.copy_(value.to(old.device, old.dtype))
+                    if value is not old:
+                        old.copy_(torch.as_tensor(value).reshape(()).to(old.device, old.dtype))
                 else:
-                    state[key] = type(old)(value.item())
+                    state[key] = type(old)(value.item() if isinstance(value, Tensor) else value)
+                    self._scalar_views.pop(key, None)
+        if "optimizer.momentum_buffer" in present:
+            self._momentum_started = True
+
+    def _fqn_modifiers(self) -> dict:
+        """For torch.distributed.checkpoint's state-dict helpers, which walk each key's dotted
+        names as attributes: ``optimizer.<state>`` names no attribute of the optimizer, so
+        that walk goes through a stand-in holding every name (``_checkpoint_names``)."""
+        return {"optimizer": "_checkpoint_names"}
+
+    @property
+    def _checkpoint_names(self):
+        keys = list(self.optimizer.state[self._rows])
+        return _Names(optimizer=_Names(**{key: None for key in keys}))
+
+    def _extra_repr_options(self) -> list:
+        out = []
+        if self.padding_idx is not None:
+            out.append(f"padding_idx={self.padding_idx}")
+        if self.max_norm is not None:
+            out.append(f"max_norm={self.max_norm}")
+        if self.norm_type != 2.0:
+            out.append(f"norm_type={self.norm_type}")
+        if self.scale_grad_by_freq:
+            out.append("scale_grad_by_freq=True")
+        if self.sparse:
+            out.append("sparse=True")
+        if self.frozen:
+            out.append("frozen=True")
+        return out
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}, "
-                f"optimizer={type(self.optimizer).__name__}, device={self.device}, "
-                f"cache_bytes={self.store.cached_bytes()}")
+        return ", ".join([f"{self.num_embeddings}, {self.embedding_dim}",
+                          *self._extra_repr_options(), f"dtype={self.dtype}",
+                          f"optimizer={type(self.optimizer).__name__}", f"device={self.device}",
+                          f"cache_bytes={self.store.cached_bytes()}"])
 
     @classmethod
-    def from_pretrained(cls, embeddings: Tensor, **kwargs):
-        """A module whose table starts as `embeddings` (rows, dim), like nn.Embedding's."""
-        if embeddings.dim() != 2:
-            raise ValueError(f"embeddings must be 2-D (rows, dim), got shape "
-                             f"{tuple(embeddings.shape)}")
+    def _pretrained(cls, embeddings: Tensor, freeze: bool, kwargs: dict):
+        if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
+            raise ValueError(f"embeddings must be a 2-D tensor (rows, dim), got shape "
+                             f"{tuple(getattr(embeddings, 'shape', ()))}")
         kwargs.setdefault("dtype", embeddings.dtype)
-        return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, **kwargs)
+        return cls(embeddings.shape[0], embeddings.shape[1], _weight=embeddings, _freeze=freeze,
+                   **kwargs)
+
+
+def _same_view(a, b: Tensor) -> bool:
+    return (isinstance(a, Tensor) and a.device == b.device and a.dtype == b.dtype
+            and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+
+
+class _Names:
+    """Attributes named after checkpoint keys (see _fqn_modifiers)."""
+
+    def __init__(self, **names):
+        self.__dict__.update(names)
 
 
 class HostEmbedding(_HostRowsModule):
     """``nn.Embedding`` with its table and optimizer state in host memory (see the module
-    docstring). ``forward(ids, *more_ids)``: one output ``(*ids.shape, dim)`` per id tensor."""
+    docstring). ``forward(input, *more_input)``: one output ``(*input.shape, dim)`` per id
+    tensor, all of one step.
 
-    def forward(self, ids, *more_ids):
-        return self._outputs(*self._stage((ids, *more_ids)))
+    Args:
+        num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+            sparse: as nn.Embedding's (``sparse`` is accepted and changes nothing).
+        dtype: the table's and its optimizer state's dtype (a floating dtype).
+        optimizer, optimizer_kwargs: the torch optimizer class that updates the touched rows,
+            and its arguments.
+        device: where a step's rows are staged and the outputs live (default: the current
+            GPU, else the CPU); the table stays in host memory (pinned with a GPU).
+        cache_bytes: the GPU row cache's budget (0: none; ignored on the CPU).
+        bounds_check: "raise" (GPU ids checked with one wait) or "prechecked".
+
+    Example::
+
+        emb = HostEmbedding(1_000_000, 64, optimizer=torch.optim.Adam,
+                            optimizer_kwargs={"lr": 1e-3}, device="cuda", cache_bytes=1 << 28)
+        out = emb(torch.tensor([[1, 2], [3, 1]]))   # (2, 2, 64)
+        out.sum().backward(); emb.step()
+    """
+
+    @_eager
+    def forward(self, input, *more_input):
+        plan, d, shapes = self._stage((input, *more_input))
+        pad_at = self._staged.pad_at if self._staged is not None else None
+        rows = self._lookup_rows(d.inverse, pad_at).index_select(0, d.inverse)
+        return self._outputs(rows, shapes)
 
     def _outputs(self, rows: Tensor, shapes: list):
         """The staged rows per position split into one output per id tensor."""
@@ -362,62 +812,117 @@ class HostEmbedding(_HostRowsModule):
             start += n
         return outs[0] if len(shapes) == 1 else tuple(outs)
 
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True,
+                        padding_idx: Optional[int] = None, max_norm: Optional[float] = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                        sparse: bool = False, **kwargs):
+        """A module whose table starts as `embeddings` (rows, dim), like nn.Embedding's: frozen
+        unless ``freeze=False`` (nn's default). Other keywords as the constructor's."""
+        kwargs.update(padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                      scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        return cls._pretrained(embeddings, freeze, kwargs)
+
 
 class HostEmbeddingBag(_HostRowsModule):
-    """``nn.EmbeddingBag`` (modes "sum" and "mean") with its table and optimizer state in host
-    memory: ``forward(input, offsets=None, per_sample_weights=None)`` as nn.EmbeddingBag's (2-D
-    input: fixed-length bags; 1-D input with offsets: bag b is input[offsets[b]:offsets[b+1]];
-    an empty bag gives zeros)."""
+    """``nn.EmbeddingBag`` with its table and optimizer state in host memory:
+    ``forward(input, offsets=None, per_sample_weights=None)`` as nn.EmbeddingBag's (2-D input:
+    fixed-length bags; 1-D input with offsets: bag b is input[offsets[b]:offsets[b+1]], the
+    last bag running to the end of input unless ``include_last_offset``; an empty bag gives
+    zeros). Modes "sum", "mean" and "max"; per-sample weights with "sum".
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", **kwargs):
-        if mode not in ("sum", "mean"):
-            raise ValueError(f"mode must be 'sum' or 'mean', got {mode!r}")
-        super().__init__(num_embeddings, embedding_dim, **kwargs)
+    Args:
+        num_embeddings, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
+            include_last_offset, padding_idx: as nn.EmbeddingBag's.
+        dtype, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check: as
+            HostEmbedding's.
+
+    Returns (forward): ``(bags, dim)`` on ``device``.
+
+    Example::
+
+        bag = HostEmbeddingBag(1_000_000, 64, mode="sum", optimizer=torch.optim.Adagrad)
+        pooled = bag(torch.tensor([4, 2, 9, 9]), torch.tensor([0, 3]))   # (2, 64)
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: Optional[float] = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                 sparse: bool = False, _weight: Optional[Tensor] = None,
+                 include_last_offset: bool = False, padding_idx: Optional[int] = None,
+                 **kwargs):
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if mode == "max" and scale_grad_by_freq:
+            raise ValueError("max mode does not support scaling the gradient by the frequency "
+                             "(as in nn.EmbeddingBag)")
+        if not isinstance(include_last_offset, bool):
+            raise TypeError(f"include_last_offset must be a bool, got {include_last_offset!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+                         scale_grad_by_freq, sparse, _weight=_weight, **kwargs)
         self.mode = mode
+        self.include_last_offset = include_last_offset
 
+    @_eager
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         input = torch.as_tensor(input)
-        bags, bag_of = self._bags(input, offsets, per_sample_weights)
-        rows, _ = self._stage((input,))
-        return self._pool(rows, bags, bag_of, per_sample_weights)
+        on_host = (offsets is None or not isinstance(offsets, Tensor)
+                   or offsets.device.type == "cpu")
+        bag = _bag_input(input, offsets, per_sample_weights, self.mode, self.include_last_offset,
+                         self.device, self.dtype,
+                         check_values=on_host or self.bounds_check != "prechecked")
+        spare = 0 if self.padding_idx is None else 1
+        plan, d, _ = self._stage((input,), spare)
+        index, padding = d.inverse, None
+        if self.padding_idx is not None:  # its entries point at the spare row, left out
+            padding = d.n
+            index = torch.where(plan.index == self.padding_idx, padding, index)
+        index = index.view(input.shape)
+        return _pool(self._lookup_rows(index), index, bag, self.mode, self.include_last_offset,
+                     padding)
 
-    def _pool(self, rows: Tensor, bags: int, bag_of: Tensor,
-              per_sample_weights: Optional[Tensor]) -> Tensor:
-        """The bags' sums or means of the staged rows per position."""
-        if per_sample_weights is not None:
-            rows = rows * per_sample_weights.reshape(-1, 1).to(rows.device, rows.dtype)
-        out = rows.new_zeros((bags, self.embedding_dim)).index_add(0, bag_of, rows)
-        if self.mode == "mean":
-            counts = torch.zeros(bags, dtype=rows.dtype, device=rows.device).index_add_(
-                0, bag_of, torch.ones_like(bag_of, dtype=rows.dtype))
-            out = out / counts.clamp(min=1).unsqueeze(1)
-        return out
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        extra = f", mode={self.mode!r}" + (", include_last_offset=True"
+                                           if self.include_last_offset else "")
+        head = f"{self.num_embeddings}, {self.embedding_dim}"
+        return head + extra + base[len(head):]
 
-    def _bags(self, input: Tensor, offsets: Optional[Tensor] = None,
-              per_sample_weights: Optional[Tensor] = None) -> tuple:
-        """Checks the arguments of forward (`input` a tensor; before any id moves); (number of
-        bags, the bag of each id)."""
-        if per_sample_weights is not None and self.mode != "sum":
-            raise ValueError("per_sample_weights is only supported for mode='sum' (as in "
-                             "nn.EmbeddingBag)")
-        if input.dim() == 2:
-            if offsets is not None:
-                raise ValueError("offsets must be None for a 2-D input (fixed-length bags)")
-            bags, length = input.shape
-            bag_of = torch.arange(bags, device=self.device).repeat_interleave(length)
-        elif input.dim() == 1:
-            if offsets is None:
-                raise ValueError("offsets is required for a 1-D input")
-            offsets = torch.as_tensor(offsets).to(self.device, torch.int64)
-            if offsets.dim() != 1:
-                raise ValueError(f"offsets must be 1-D, got shape {tuple(offsets.shape)}")
-            bags = offsets.numel()
-            positions = torch.arange(input.numel(), device=self.device)
-            bag_of = torch.searchsorted(offsets, positions, right=True) - 1
-        else:
-            raise ValueError(f"input must be 1-D (with offsets) or 2-D, got {input.dim()}-D")
-        if per_sample_weights is not None and per_sample_weights.shape != input.shape:
-            raise ValueError(f"per_sample_weights must have input's shape {tuple(input.shape)}, "
-                             f"got {tuple(per_sample_weights.shape)}")
-        return bags, bag_of
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True,
+                        max_norm: Optional[float] = None, norm_type: float = 2.0,
+                        scale_grad_by_freq: bool = False, mode: str = "mean",
+                        sparse: bool = False, include_last_offset: bool = False,
+                        padding_idx: Optional[int] = None, **kwargs):
+        """A bag whose table starts as `embeddings` (rows, dim), like nn.EmbeddingBag's: frozen
+        unless ``freeze=False`` (nn's default). Other keywords as the constructor's."""
+        kwargs.update(max_norm=max_norm, norm_type=norm_type,
+                      scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse,
+                      include_last_offset=include_last_offset, padding_idx=padding_idx)
+        return cls._pretrained(embeddings, freeze, kwargs)
+
+
+def host_modules(model: nn.Module) -> Iterator[_HostRowsModule]:
+    """The modules of `model` (itself included) whose tables live in host memory."""
+    return (m for m in model.modules() if isinstance(m, _HostRowsModule))
+
+
+def count_parameters(model: nn.Module, trainable: bool = False) -> int:
+    """`model`'s parameter count with its host tables included (nn's ``parameters()`` does not
+    see them: they are not nn.Parameters). ``trainable``: only parameters that require grad
+    and tables that are not frozen."""
+    dense = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+    return dense + sum(m.num_parameters() for m in host_modules(model)
+                       if not (trainable and m.frozen))
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    **kwargs) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over `model`'s parameters and its host tables' step
+    gradients (call it between backward and the tables' ``step()``): the total norm counts
+    each touched row once with its summed gradient, as the whole table's gradient would, and
+    the clipping scales what ``step()`` applies. Returns the total norm."""
+    params = list(model.parameters())
+    for m in host_modules(model):
+        params.extend(m.step_parameters())
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)

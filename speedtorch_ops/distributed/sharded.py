@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..modules import HostEmbedding, HostEmbeddingBag
+from ..modules import HostEmbedding, _bag_input, _pool
 from ..training.placement import upload
 from ..training.plan import host_ids
 from . import checkpoint
@@ -162,7 +162,8 @@ class _ShardedRows(nn.Module):
                       device=device, cache_bytes=cache_bytes)
         if _local_weight is not None:
             pad = _local_weight.new_zeros((1, embedding_dim))
-            self.shard = HostEmbedding.from_pretrained(torch.cat([_local_weight, pad]), **kwargs)
+            self.shard = HostEmbedding.from_pretrained(torch.cat([_local_weight, pad]),
+                                                       freeze=False, **kwargs)
         else:
             self.shard = HostEmbedding(self.local_rows + 1, embedding_dim, **kwargs)
         self.dtype, self.device = self.shard.dtype, self.shard.device
@@ -272,9 +273,14 @@ class _ShardedRows(nn.Module):
                 f"grad_scale={self.grad_scale}")
 
     @classmethod
-    def from_pretrained(cls, embeddings: Tensor, group=None, **kwargs):
+    def from_pretrained(cls, embeddings: Tensor, group=None, freeze: bool = False, **kwargs):
         """A sharded module whose table starts as `embeddings` (rows, dim): each rank keeps its
-        rows (every rank passes the same full table, or at least its own rows in place)."""
+        rows (every rank passes the same full table, or at least its own rows in place). It
+        trains: a sharded table has no frozen form (``freeze=True`` raises; nn's default freezes,
+        so the single-process modules take ``freeze=False`` for the same)."""
+        if freeze:
+            raise ValueError("freeze=True: a sharded table cannot be frozen; build it with "
+                             "freeze=False (it trains) or use HostEmbedding.from_pretrained")
         if not isinstance(embeddings, Tensor) or embeddings.dim() != 2:
             raise ValueError("embeddings must be a 2-D tensor (rows, dim), got "
                              f"{getattr(embeddings, 'shape', type(embeddings))}")
@@ -305,14 +311,17 @@ class ShardedHostEmbeddingBag(_ShardedRows):
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         self.mode = mode
 
-    # HostEmbeddingBag's checks and pooling need only mode, device and embedding_dim.
-    _bags, _pool = HostEmbeddingBag._bags, HostEmbeddingBag._pool
-
     def _route_args(self, input: Tensor, offsets: Optional[Tensor] = None,
                     per_sample_weights: Optional[Tensor] = None) -> tuple:
         input = torch.as_tensor(input)
-        bags, bag_of = self._bags(input, offsets, per_sample_weights)
-        return (input,), lambda staged: self._pool(staged[0], bags, bag_of, per_sample_weights)
+        bag = _bag_input(input, offsets, per_sample_weights, self.mode, False, self.device,
+                         self.dtype, check_values=True)
+
+        def pool(staged) -> Tensor:
+            rows = staged[0]  # one row per position of input
+            index = torch.arange(rows.shape[0], device=rows.device).view(input.shape)
+            return _pool(rows, index, bag, self.mode)
+        return (input,), pool
 
 
 class ShardedEmbeddingCollection(nn.Module):

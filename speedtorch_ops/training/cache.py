@@ -158,12 +158,13 @@ class HostRows:
         ops._sorted_transfer(self.host, parts, rows, slots, load, count=count,
                              bounds_check=_NO_WAIT, sms=sms)
 
-    def stage(self, plan: Plan) -> tuple:
-        """(buffer (parts, n, *row) whose first ``count`` rows are the distinct rows, Distinct).
-        The rows past ``count`` are undefined (nothing reads them; an optimizer that reduces
-        over the whole buffer would see them)."""
+    def stage(self, plan: Plan, spare: int = 0) -> tuple:
+        """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
+        Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
+        optimizer that reduces over the whole buffer would see them); ``spare`` rows past the
+        plan's are the caller's (a bag's padding entries point there)."""
         d = self._begin_stage(plan)
-        buf = self._buffer(d.n)
+        buf = self._buffer(d.n + spare)
         carried = self._take_carry(buf, d, d.valid)
         if carried is None:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
@@ -404,7 +405,7 @@ class CachedRows(HostRows):
     def _cached(self, ids: Tensor) -> Tensor:
         return self.slot_of[ids] >= 0
 
-    def stage(self, plan: Plan) -> tuple:
+    def stage(self, plan: Plan, spare: int = 0) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
         # Hits from the cache (every other entry names the slot past its end), misses from the
@@ -422,7 +423,7 @@ class CachedRows(HostRows):
             victims = self._evict(d, at, order, misses)
             self._lane_done = self._lane_event()
         self._lane_uses = [d, at, order, misses, victims]
-        buf = self._buffer(d.n)
+        buf = self._buffer(d.n + spare)
         # The hits' rows only (a miss's `at` is past the cache), not every position as an
         # index_select would.
         ops._take_rows(buf, self.cache, at, d.count)

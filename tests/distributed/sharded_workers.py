@@ -69,7 +69,7 @@ def train_like_one_process(rank, world, device, seed, names, grad_scale=1.0, own
         emb = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                                    device=device, grad_scale=grad_scale,
                                                    route_group=route_group)
-        ref = HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+        ref = HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                             device="cpu")
         for step in range(steps):
             empty = world - 1 if step == 1 else None
@@ -92,7 +92,7 @@ def bag_like_one_process(rank, world, device, seed, directory):
     cls, kwargs = OPTIMIZERS["Adam"]
     emb = ShardedHostEmbeddingBag.from_pretrained(init, mode="mean", optimizer=cls,
                                                   optimizer_kwargs=kwargs, device=device)
-    ref = HostEmbeddingBag.from_pretrained(init, mode="mean", optimizer=cls,
+    ref = HostEmbeddingBag.from_pretrained(init, freeze=False, mode="mean", optimizer=cls,
                                            optimizer_kwargs=kwargs, device="cpu")
     for step in range(2):
         batches = [batch(seed, step, r, world) for r in range(world)]
@@ -123,7 +123,7 @@ def bag_like_one_process(rank, world, device, seed, directory):
     cls, kwargs = OPTIMIZERS["RowWiseAdagrad"]
     packed = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                                   device=device)
-    ref = HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+    ref = HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                         device="cpu")
     batches = [batch(seed, 7, r, world) for r in range(world)]
     loss_of(packed(batches[rank][0].to(device)), batches[rank][1].to(device)).backward()
@@ -170,7 +170,7 @@ def uninterrupted(seed, schedule, steps):
     """The reference after `steps` steps; step s was trained by schedule[s] ranks (a step's
     batches are the same whatever its split, so the reference needs only the schedule)."""
     cls, kwargs = OPTIMIZERS["AdamW-amsgrad"]
-    ref = HostEmbedding.from_pretrained(initial_table(seed), optimizer=cls,
+    ref = HostEmbedding.from_pretrained(initial_table(seed), freeze=False, optimizer=cls,
                                         optimizer_kwargs=kwargs, device="cpu")
     for step in range(steps):
         world = schedule[step]
@@ -185,7 +185,7 @@ def bad_ids_raise_everywhere(rank, world, device, seed):
     cls, kwargs = OPTIMIZERS["Adam"]
     emb = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
                                                device=device)
-    ref = HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+    ref = HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                         device="cpu")
     reference_step(ref, [batch(seed, 0, r, world) for r in range(world)])
     ids, target = batch(seed, 0, rank, world)
@@ -215,7 +215,7 @@ def bad_ids_raise_everywhere(rank, world, device, seed):
     tiny = initial_table(seed, rows=world - 1)  # the last rank owns no row
     small = ShardedHostEmbedding.from_pretrained(tiny, optimizer=cls, optimizer_kwargs=kwargs,
                                                  device=device)
-    small_ref = HostEmbedding.from_pretrained(tiny, optimizer=cls, optimizer_kwargs=kwargs,
+    small_ref = HostEmbedding.from_pretrained(tiny, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                               device="cpu")
     batches = [batch(seed, 3, r, world, rows=world - 1) for r in range(world)]
     loss_of(small(batches[rank][0].to(device)), batches[rank][1].to(device)).backward()
@@ -251,7 +251,7 @@ def collection_like_one_process(rank, world, device, seed):
     opt_a, opt_b = OPTIMIZERS["Adam"], OPTIMIZERS["RMSprop"]
 
     def modules(sharded):
-        kw = {"device": device} if sharded else {"device": "cpu"}
+        kw = {"device": device} if sharded else {"device": "cpu", "freeze": False}
         ea, eb = ((ShardedHostEmbedding, ShardedHostEmbeddingBag) if sharded
                   else (HostEmbedding, HostEmbeddingBag))
         a = ea.from_pretrained(init_a, optimizer=opt_a[0], optimizer_kwargs=opt_a[1], **kw)

@@ -32,7 +32,7 @@ def step_fn(emb, head, opt):
 
 def build(init, slots, bounds_check, fused=False):
     emb = so.HostEmbedding.from_pretrained(
-        init, optimizer=torch.optim.Adam,
+        init, freeze=False, optimizer=torch.optim.Adam,
         optimizer_kwargs={"lr": 0.05, "capturable": True, "fused": fused},
         device="cuda", bounds_check=bounds_check,
         cache_bytes=ROWS * 8 + slots * init[0].nbytes * 3 if slots else 0)
@@ -149,7 +149,7 @@ def test_capture_refuses_optimizer_state_on_the_cpu(gen):
     """torch's Adagrad (not fused) counts its steps on the CPU: a graph would freeze the count,
     so the capture fails naming the optimizer."""
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
-    emb = so.HostEmbedding.from_pretrained(init, optimizer=torch.optim.Adagrad,
+    emb = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=torch.optim.Adagrad,
                                            device="cuda", bounds_check="prechecked")
 
     def train_step(ids):

@@ -64,7 +64,7 @@ def test_optimizer_names_bad_arguments():
 @pytest.mark.parametrize("device", DEVICES)
 def test_module_equals_full_table_training(device, gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
-    emb = so.HostEmbedding.from_pretrained(init, optimizer=so.RowWiseAdagrad,
+    emb = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=so.RowWiseAdagrad,
                                            optimizer_kwargs=KW, device=device)
     # One host part, the accumulator packed after the weight, the row padded to 16 bytes.
     assert tuple(emb.host.shape) == (ROWS, 1, 6) and emb.host[0].nbytes == 48
@@ -106,9 +106,9 @@ def test_state_dict_round_trip(device, gen, tmp_path):
             emb(ids.to(device)).pow(2).sum().backward()
             emb.step()
 
-    whole = so.HostEmbedding.from_pretrained(init, **kw)
+    whole = so.HostEmbedding.from_pretrained(init, freeze=False, **kw)
     train(whole, batches)
-    first = so.HostEmbedding.from_pretrained(init, **kw)
+    first = so.HostEmbedding.from_pretrained(init, freeze=False, **kw)
     train(first, batches[:2])
     torch.save(first.state_dict(), tmp_path / "emb.pt")
     resumed = so.HostEmbedding(ROWS, DIM, dtype=torch.float64, **kw)

@@ -36,9 +36,9 @@ def check_map(store: CachedRows) -> None:
 def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
-    plain = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+    plain = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                              device=device)
-    cached = so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+    cached = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                               device=device)
     cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3,
                               overlap=overlap, admission=admission)

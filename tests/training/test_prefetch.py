@@ -35,7 +35,7 @@ def batches(gen, count, shape=(4, 6)):
 def pair(device, opt, slots, gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
-    plain, ahead = (so.HostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+    plain, ahead = (so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                                      device=device) for _ in range(2))
     if slots:
         ahead.store = CachedRows(ahead.host, torch.device(device), slots, aging_steps=3)
@@ -214,7 +214,7 @@ def test_prefetch_checks_ids(device, gen):
 
 def test_bag_prefetch(gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
-    plain, ahead = (so.HostEmbeddingBag.from_pretrained(init, mode="sum", device="cpu")
+    plain, ahead = (so.HostEmbeddingBag.from_pretrained(init, freeze=False, mode="sum", device="cpu")
                     for _ in range(2))
     data = batches(gen, 5, shape=(7, 3))
     for i, (ids, target) in enumerate(data):
@@ -275,7 +275,7 @@ def test_gpu_ids_match_by_value(gen):
 
 def captured_pair(slots, gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
-    embs = [so.HostEmbedding.from_pretrained(init, optimizer=torch.optim.Adam, device="cuda",
+    embs = [so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=torch.optim.Adam, device="cuda",
                                              optimizer_kwargs={"lr": 0.05, "capturable": True},
                                              bounds_check=check)
             for check in ("raise", "prechecked")]
