@@ -694,15 +694,22 @@ class _HostRowsModule(nn.Module):
             error_msgs.extend(errors)
             return  # nothing of this module written
         self.discard()
-        self.store.flush()  # a partial load keeps the cached rows' latest values
+        # A state_dict of this module loaded in place (DCP, load_safetensors) is the table
+        # itself: nothing to copy, and the cached rows must not be flushed over it.
+        in_place = {name for name in present if name in tables
+                    and _same_view(state_dict[prefix + name], tables[name])}
+        if not all(name in present for name in tables):
+            # A partial load keeps the cached rows' latest values of what it does not load.
+            kept = {name: tables[name].clone() for name in in_place}
+            self.store.flush()
+            with torch.no_grad():
+                for name, value in kept.items():
+                    tables[name].copy_(value)
         self.store.reset()
         with torch.no_grad():
             for name, table in tables.items():
-                value = state_dict.get(prefix + name)
-                # A state_dict of this module loaded in place (DCP, load_safetensors) is the
-                # table itself: nothing to copy.
-                if name in present and not _same_view(value, table):
-                    table.copy_(value)
+                if name in present and name not in in_place:
+                    table.copy_(state_dict[prefix + name])
         for key in scalars:
             name = f"optimizer.{key}"
             if name in present:
