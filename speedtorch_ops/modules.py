@@ -310,7 +310,8 @@ class _HostRowsModule(nn.Module):
         # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
         # the buffer here exists ahead of that step, so the first step leaves it out.
         self._momentum_started = False
-        self._scalar_views: dict = {}  # state_dict's tensors of the optimizer's Python scalars
+        # state_dict's tensors of the optimizer's Python scalars: key -> (tensor, value given)
+        self._scalar_views: dict = {}
 
     def _table(self, name: str) -> Tensor:
         """A view of the host table: "weight" (rows, dim), or a state entry's (rows, dim), or
@@ -635,22 +636,23 @@ class _HostRowsModule(nn.Module):
         """The tensor state_dict gives for a Python scalar of the optimizer's (SparseAdam's
         step): kept, so a checkpoint loaded into it in place (torch.distributed.checkpoint's
         load) reaches the optimizer at the next step()."""
-        view = self._scalar_views.get(key)
+        view, _ = self._scalar_views.get(key, (None, None))
         if view is None:
             view = torch.tensor(value)
         else:
             view.fill_(value)
-        self._scalar_views[key] = view
+        self._scalar_views[key] = (view, value)  # the tensor and the value it was given
         return view
 
     def _take_scalar_views(self) -> None:
-        """Scalars written into state_dict's tensors since (an in-place load) go to the
-        optimizer."""
+        """A scalar written into state_dict's tensor since it was given (an in-place load)
+        goes to the optimizer."""
         state = self.optimizer.state[self._rows]
-        for key, view in self._scalar_views.items():
+        for key, (view, given) in self._scalar_views.items():
             value = view.item()
-            if key in state and not isinstance(state[key], Tensor) and value != state[key]:
+            if value != given and key in state and not isinstance(state[key], Tensor):
                 state[key] = type(state[key])(value)
+                self._scalar_views[key] = (view, value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         self.flush()
