@@ -1,9 +1,15 @@
 """Builds speedtorch_ops._C: the CPU kernels always, the CUDA kernels when torch has CUDA and a
 CUDA toolkit is found (not when a GPU happens to be visible). SPEEDTORCH_OPS_CPU_ONLY=1 forces a
-CPU-only build. Build with `pip install --no-build-isolation -e .` against the installed torch."""
+CPU-only build. Build with `pip install --no-build-isolation -e .` against the installed torch.
+
+The object files stay in build/ext-<python> (SPEEDTORCH_OPS_BUILD_DIR to put them elsewhere)
+instead of a temporary directory, so a second build (another `pip install -e .`, or
+`setup.py build_ext --inplace`) recompiles with ninja only the sources whose own text, headers or
+compile command changed, then links."""
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -51,8 +57,19 @@ def extension():
         extra_link_args=["-fopenmp"])
 
 
+class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build, its objects kept between builds (an editable install would otherwise
+    compile every source again in a new temporary directory). Ninja's log and the compilers'
+    dependency files decide what to recompile: a changed source, header or flag."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.environ.get("SPEEDTORCH_OPS_BUILD_DIR") or os.path.join(
+            HERE, "build", f"ext-{sys.implementation.cache_tag}")
+
+
 setup(
     packages=find_packages(include=["speedtorch_ops", "speedtorch_ops.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )

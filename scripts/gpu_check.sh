@@ -21,6 +21,9 @@ start=$(date +%s)
 # extension built with it gets its own copy of libstdc++ and crashes formatting an error message
 # (seen 2026-11-22). Build with the system compiler, which links libstdc++ like torch does.
 export CC=${SPEEDTORCH_OPS_CC:-gcc} CXX=${SPEEDTORCH_OPS_CXX:-g++}
+# Every source compiled here: objects an earlier call left in setup.py's build directory were
+# judged by file times that a tree copied from another machine need not keep in order.
+rm -rf build/ext-*
 "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 ||
   "$PY" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 ldd speedtorch_ops/_C*.so | grep -q libstdc++ || { echo "_C links libstdc++ statically: set CXX"; exit 1; }

@@ -1,7 +1,8 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: sets up a fresh machine (idempotent).
 # - Debian's cmake and catch2 for the C++ tests (installed with apt-get when missing)
 # - a virtual environment in .venv with the pinned Python packages (requirements-dev.txt)
-# - the extension built from source against that torch (CUDA kernels too when nvcc is found)
+# - the extension built from source against that torch (CUDA kernels too when nvcc is found),
+#   again only when its sources or build settings changed, and then only what changed
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -22,11 +23,41 @@ if ! "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   exit 1
 fi
 
-echo "== building speedtorch_ops ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
-start=$(date +%s)
-if ! "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
-    >build.log 2>&1; then
-  tail -40 build.log >&2
-  exit 1
+# The extension: built again only when something it is built from changed since its last build
+# (a file under csrc/, setup.py or pyproject.toml newer than the stamp taken when that build
+# started, or another torch, compiler or build setting), or when it does not load. A rebuild
+# recompiles only what changed: setup.py keeps the objects in build/ext-*, and ninja tracks
+# each source's headers and compile command.
+STAMP=build/speedtorch_ops.stamp
+build_key() {  # what the build depends on outside the tree
+  "$PY" - <<'EOF'
+import importlib.util, os, shutil, sys
+torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+with open(os.path.join(torch_dir, "version.py")) as f:
+    print(sys.executable, " ".join(f.read().split()), shutil.which("nvcc"))
+for k in ("CUDA_HOME", "SPEEDTORCH_OPS_CPU_ONLY", "SPEEDTORCH_OPS_BUILD_DIR",
+          "TORCH_CUDA_ARCH_LIST", "CC", "CXX", "CFLAGS", "CXXFLAGS", "LDFLAGS"):
+    print(k, os.environ.get(k, ""))
+EOF
+}
+key=$(build_key)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$key" ] && compgen -G "speedtorch_ops/_C*.so" >/dev/null &&
+    [ -z "$(find csrc setup.py pyproject.toml -newer "$STAMP" -print -quit)" ] &&
+    (cd / && "$PY" -c "import speedtorch_ops" 2>/dev/null); then
+  echo "== speedtorch_ops is up to date (nothing under csrc/, setup.py or pyproject.toml is newer than $STAMP)"
+else
+  echo "== building speedtorch_ops ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
+  start=$(date +%s)
+  mkdir -p build
+  rm -f "$STAMP"
+  touch "$STAMP.started"  # a file changed from here on is newer than the stamp: built next time
+  if ! "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
+      >build.log 2>&1; then
+    tail -40 build.log >&2
+    exit 1
+  fi
+  echo "$key" >"$STAMP"
+  touch -r "$STAMP.started" "$STAMP"
+  rm -f "$STAMP.started"
+  echo "   built in $(( $(date +%s) - start )) s (log: build.log)"
 fi
-echo "   built in $(( $(date +%s) - start )) s (log: build.log)"

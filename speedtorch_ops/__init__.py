@@ -25,8 +25,8 @@ from .capture import CapturedStep
 from . import optim
 from .optim import RowWiseAdagrad
 from . import io
-from .memory import (empty_pinned, fill_random_, initialize_, is_zero_copy_usable, load_npy,
-                     pin_, unpin_)
+from .io import load_npy
+from .memory import empty_pinned, fill_random_, initialize_, is_zero_copy_usable, pin_, unpin_
 from .ops import (inductor_options, optimizer_state_swap, pinned_gather, pinned_gather_into,
                   pinned_scatter, set_transfer_sm_limit, sync_bounds_check, transfer_sm_limit)
 from . import compat

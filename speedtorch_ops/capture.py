@@ -100,7 +100,7 @@ class CapturedStep:
             graph = torch.cuda.CUDAGraph()
             # A pinned table freed during the capture unregisters its memory, a call that a
             # capture forbids: it invalidates the capture, which then fails at a later kernel
-            # (seen on the H100 when the cyclic collector freed an earlier model's tables
+            # (seen on a GPU when the cyclic collector freed an earlier model's tables
             # mid-capture). Collect first and keep the collector off until the capture ends.
             gc.collect()
             collecting = gc.isenabled()

@@ -205,7 +205,11 @@ def load_npy(path: PathLike, out: Optional[Tensor] = None, *, pin: bool = True,
              progress: Optional[bool] = None, chunk_bytes: int = CHUNK_BYTES) -> Tensor:
     """Load a ``.npy`` file into ``out`` in place (a contiguous CPU tensor of the file's shape and
     dtype, e.g. an existing pinned table), or into a new table (pinned when ``pin``), reading
-    straight into the table's memory. Returns the table."""
+    straight into the table's memory, so the host never holds a second copy. Also
+    ``speedtorch_ops.load_npy``. Returns the table."""
+    if out is not None and not isinstance(out, Tensor):
+        raise TypeError(f"load_npy: out must be a tensor or None, got {type(out).__name__} "
+                        "(pin, progress and chunk_bytes are keyword-only)")
     path = os.fspath(path)
     shape, dtype, offset = read_npy_header(path)
     if out is None:

@@ -1,6 +1,7 @@
-"""Pinned host memory for tables: made, pinned in place, initialised or loaded from .npy, without a
-second full-size copy, and costing the table's bytes (torch's pinned allocator rounds large blocks
-up to a power of two, so a 5 GiB table would hold 8 GiB).
+"""Pinned host memory for tables: made, pinned in place and initialised without a second
+full-size copy, and costing the table's bytes (torch's pinned allocator rounds large blocks up to
+a power of two, so a 5 GiB table would hold 8 GiB). ``speedtorch_ops.io`` loads tables from
+files; it builds on this module, which imports nothing else of the package.
 
 Tables of tens of GiB are pinned in pieces (one ``cudaHostRegister`` per piece), and work on
 tables of ``PROGRESS_MIN_BYTES`` or more shows a progress bar (tqdm, when installed) unless the
@@ -8,7 +9,6 @@ caller passes ``progress=False``."""
 
 import math
 import mmap
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence, Union
 
@@ -28,9 +28,9 @@ PROGRESS_MIN_BYTES = 1 << 30
 # Initialising, copying and streaming go this many bytes at a time (a progress bar's step).
 CHUNK_BYTES = 64 << 20
 # empty_pinned takes tables of this many bytes or more from an anonymous mapping advised to use
-# transparent huge pages: pinning faults every page in, and with 2 MiB pages a 32 GiB table pins
-# in 5.2-6.1 s instead of 10.2-11.8 s (4 KiB pages, torch.empty or a plain mapping, in rotated
-# order), fills as fast and gathers at the same zero-copy rate (bench/pinning.py on the H100).
+# transparent huge pages: pinning faults every page in, and with 2 MiB pages a table pins in
+# about half the time of 4 KiB pages, fills as fast and gathers at the same zero-copy rate
+# (see docs/decisions.md, "Huge pages for pinned tables").
 HUGE_PAGE_MIN_BYTES = 64 << 20
 
 
@@ -118,7 +118,7 @@ def pin_(tensor: Tensor, piece_bytes: Optional[int] = None,
     if torch.cuda.is_available():
         # PyTorch reports memory as pinned (Tensor.is_pinned, which the ops check) only once it
         # has initialised CUDA itself; a table pinned first thing in a process was not seen as
-        # pinned (seen on the H100 machine).
+        # pinned (seen on a GPU machine).
         torch.cuda.init()
     nbytes = _storage_nbytes(tensor)
     bar = progress_bar(nbytes, "pinning", progress)
@@ -190,7 +190,7 @@ def initialize_(table: Tensor, init: Callable[[Tensor], object], *,
     """Apply the in-place ``init`` (e.g. ``lambda t: t.zero_()``) to ``table`` one chunk of
     about ``chunk_bytes`` at a time (whole rows, ``init`` gets a contiguous view), with a
     progress bar for large tables. Random initialisers draw the same numbers for the same seed
-    and ``chunk_bytes``, on one thread (torch draws CPU random numbers serially, under 1 GB/s):
+    and ``chunk_bytes``, on one thread (torch draws CPU random numbers serially):
     ``fill_random_`` fills on all threads. Returns ``table``."""
     if not table.is_contiguous():
         raise ValueError("initialize_: table must be contiguous")
@@ -256,14 +256,6 @@ def fill_random_(table: Tensor, distribution: str, a: float, b: float, *,
     finally:
         bar.close()
     return table
-
-
-def load_npy(path: Union[str, os.PathLike], pin: bool = True, chunk_bytes: int = CHUNK_BYTES,
-             progress: Optional[bool] = None) -> Tensor:
-    """Load a ``.npy`` file straight into a new (pinned) table, read in chunks, so the host never
-    holds a second copy (see ``speedtorch_ops.io.load_npy``, which also loads in place)."""
-    from .io import load_npy as _load_npy  # io builds on this module
-    return _load_npy(path, pin=pin, chunk_bytes=chunk_bytes, progress=progress)
 
 
 def is_zero_copy_usable(table: Tensor) -> bool:

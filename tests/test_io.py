@@ -101,11 +101,21 @@ def test_npy_errors_are_clear(tmp_path):
         io.load_npy(tmp_path / "short.npy", pin=False)
 
 
-def test_memory_load_npy_is_the_streamed_loader(tmp_path):
+def test_package_load_npy_is_the_streamed_loader(tmp_path):
     a = np.arange(12, dtype=np.int64).reshape(3, 4)
     np.save(tmp_path / "a.npy", a)
+    assert speedtorch_ops.load_npy is io.load_npy
     assert torch.equal(speedtorch_ops.load_npy(str(tmp_path / "a.npy"), pin=False),
                        torch.from_numpy(a))
+    with pytest.raises(TypeError, match="keyword-only"):
+        speedtorch_ops.load_npy(str(tmp_path / "a.npy"), False)
+
+
+def test_io_builds_on_memory_without_a_cycle():
+    # memory imports nothing of the package (one load_npy: io's); io loads in a fresh interpreter.
+    assert not hasattr(memory, "load_npy")
+    assert "from ." not in open(memory.__file__).read()
+    subprocess.run([sys.executable, "-c", "import speedtorch_ops.io"], check=True, cwd=REPO)
 
 
 def test_progress_counts_every_byte(monkeypatch, tmp_path):

@@ -41,9 +41,8 @@ Shape shape_for(int64_t items, int team_log2, Grid grid) {
   const int64_t items_per_block = threads >> team_log2;
   const int64_t needed = (items + items_per_block - 1) / items_per_block;
   // Up to 16 blocks per SM (two waves at 256 threads), but 8 (one wave) for fewer than 32 k
-  // rows x tables. Measured on the H100 (three 2 GiB pinned tables, 512 B rows, 2026-11-22):
-  // 8,192 rows 0.34 / 0.44 ms (load / write-back) with 8 per SM vs 0.56 / 0.60 with 16;
-  // 49,152 rows 2.42 / 2.36 vs 2.18 / 2.28; 131,072 rows 4.35 / 4.37 vs 4.31 / 4.24.
+  // rows x tables: a second wave helps large transfers keep the link busy and costs small
+  // ones more than it gives. See docs/decisions.md, "Launch shape".
   const int64_t per_sm = items < 32768 ? 8 : 16;
   const int64_t most = grid.capped ? grid.sms : int64_t{grid.sms} * per_sm;
   return {static_cast<int>(std::max<int64_t>(1, std::min(needed, most))), threads};
@@ -155,9 +154,9 @@ __device__ __forceinline__ int64_t position_of(int64_t i, int count, bool row_ma
 
 // Calls item(k, j, lane, team) for every work item of a transfer kernel: item i is (table k,
 // position j) = (i / n, i % n), one team of `team` threads per item. One table at a time in
-// index order, so the reads of a host table stay within that table's span (on the H100, three
-// 2 GiB tables read side by side ran at 29 GB/s, one table per call at 31 GB/s:
-// bench/duplex.py). With row_major, (i % count, i / count): the parts of a wide row together.
+// index order, so the reads of a host table stay within that table's span (reads spread over
+// several tables' spans moved fewer bytes: see docs/decisions.md, "One table at a time"). With
+// row_major, (i % count, i / count): the parts of a wide row together.
 // Nothing runs when the validation found a bad index (write nothing).
 template <typename Item>
 __device__ __forceinline__ void for_each_item(int count, bool row_major, int64_t n,
@@ -301,8 +300,8 @@ __global__ void __launch_bounds__(kCappedThreads)
 // The copy kernel of capped launches (a transfer on a side stream beside training kernels,
 // set_transfer_sm_limit or a call's sms): a team resolves its own item before each row, one
 // row in flight per team. The callers' SM caps were tuned with it; the warp kernel above in
-// their place moved more bytes per SM and slowed the training step around it (the main job of
-// bench/RESULTS.md: 515-525 steps/s against 621-624).
+// their place moved more bytes per SM and slowed the training step around it (see
+// docs/decisions.md, "Capped launches copy row by row").
 template <typename V>
 __global__ void __launch_bounds__(kCappedThreads)
     copy_rows_team_kernel(Tables t, const int64_t* __restrict__ dst_idx,
@@ -361,9 +360,9 @@ struct Marks {
 // two, at least 4n, zeroed = free; see LastOf) for position i, raises the word's low half to
 // i + 1 and notes the entry in entry[i]. One word per entry, its row in the high half, so a
 // claim and a raise are one atomic each, and most positions need only the claim; at a quarter
-// full a warp's 32 positions rarely probe far (a warp waits for its longest probe sequence:
-// with two 8 + 4 B entries at half load, marking 131,072 positions took 16-20 us on the H100,
-// bench/RESULTS.md).
+// full a warp's 32 positions rarely probe far (a warp waits for its longest probe sequence,
+// which two 8 + 4 B arrays at half load made long: see docs/decisions.md, "Last-position
+// marks").
 __device__ __forceinline__ void mark_in_hash(int64_t row, int64_t i,
                                              unsigned long long* __restrict__ words, int64_t cap,
                                              int32_t* __restrict__ entry) {
@@ -514,8 +513,9 @@ cudaError_t launch_copy_rows(const Tables& t, const int64_t* dst_idx, const int6
     }
     // A warp takes 32 items a round, whatever its teams: for 512 B rows a warp has four rows
     // in flight and a grid of 131 k items 16 k rows, plenty for device memory and PCIe. A grid
-    // sized for every row in flight at once (more warps, most of their rounds empty) ran the
-    // 512 B CUDA-table scatter at 0.078 ms against 0.067 (bench/resident.py, H100).
+    // sized for every row in flight at once (more warps, most of their rounds empty) was no
+    // faster over PCIe and slower on CUDA tables (see docs/decisions.md, "The warp copy
+    // kernel's grid").
     const Shape shape = shape_for(n * t.count, 0, grid);
     copy_rows_kernel<V><<<shape.blocks, shape.threads, 0, stream>>>(
         t, dst_idx, src_idx, n, team_log2, last_of_run, last_of, status, limit);
@@ -530,9 +530,9 @@ static int64_t last_of_entries(int64_t n) {
 }
 
 // One counter per row while the table has at most this many rows per hash entry (a memset of
-// at most 32 B per entry where the hash's is 8 B): on the H100 (bench/op_profile.py, 131,072
-// positions) an atomicMax per position on per-row counters took about 3 us and zeroing 8 MB of
-// them about 3 us, where the older hash (two arrays at half load) took 11.5 us to mark.
+// at most 32 B per entry where the hash's is 8 B): an atomicMax per position on per-row
+// counters, and zeroing them, take less than probing the hash. See docs/decisions.md, "Per-row
+// counters".
 constexpr int64_t kDirectRowsPerEntry = 8;
 // ... and at most this many rows (64 MiB of counters), so a huge index beside a huge table
 // does not zero gigabytes.

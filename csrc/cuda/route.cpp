@@ -9,20 +9,17 @@ namespace {
 // PCIe reads in address order reach the link rate on multi-GiB tables, where random rows are
 // capped by a row rate, and repeated rows cross the link once. Shorter loads, and tables in
 // device memory (where a sort costs more than it saves), are read in the caller's order; rows
-// the caller sorted always take the sorted read (it costs nothing then). Measured on the H100
-// (bench/sweep.py, 8 GiB table, 512 B rows): 8,192 rows 0.28 ms sorted vs 0.16 ms unsorted;
-// 65,536 rows 1.72 vs 2.22 ms.
+// the caller sorted always take the sorted read (it costs nothing then). Below this many rows
+// the sort's own launches cost more than the ordered reads save. See docs/decisions.md,
+// "Sorted loads".
 constexpr int64_t kSortedLoadMin = 32768;
 
 // Write-backs into host-mapped tables wider than this go in sorted order (each distinct row
 // written once, by the last position of its run). Narrower ones go in the caller's order, the
 // last position of each row marked first (launch_mark_last) instead of sorted: fewer launches
 // and no sort's host time, and random writes there are as fast as sorted ones. Past this span
-// random writes hit a row rate (about 100 M rows/s, address translation) that the link hides
-// only for wide rows. On the H100 (a probe of two runs, unsorted against sorted in one
-// process, bench/RESULTS.md): into 256 MiB unsorted won by 0.03-0.1 ms for 32-512 B rows; into
-// 1 GiB 131 k random rows of 32-256 B took 1.25-1.44 ms unsorted against 0.31-0.79 sorted, 1 M
-// of 32 B 9.9-10.1 against 1.9-2.0, while 512 B rows tied (1.44 against 1.38-1.45: the link).
+// random writes hit a row rate (address translation) that the link hides
+// only for wide rows. See docs/decisions.md, "Sorted write-backs".
 constexpr int64_t kUnsortedWriteMaxSpan = int64_t{256} << 20;
 
 // Hybrid calls smaller than this go through the zero-copy kernels alone: the CPU side's host

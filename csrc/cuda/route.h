@@ -38,23 +38,15 @@ struct Call {
   // write-backs alone (no load in the call) go through the CPU (see route).
   int64_t hybrid_min_span = kHybridMinSpan;
 
-  // Measured on the H100 (bench/sweep.py, 131 k random 512 B rows, 16 threads, a CPU index for
-  // the hybrid): zero-copy read 4 GiB in 1.66 ms against the hybrid's 1.84, but 8 GiB in 2.60
-  // against 1.77, 24 GiB in 3.98 against 1.85, and 128 B rows of 8 GiB in 4.04 against 2.47.
-  // Write-backs alone (bench/sweep.py, 16 threads): into 24 GiB, CPU threads wrote 131 k
-  // random 512 B rows in 2.08 ms against 3.70 for the zero-copy kernels, 512 k rows of 64 B in
-  // 2.55 against 10.2, of 128 B in 3.34 against 9.62. By a CUDA index (a probe of two runs,
-  // bench/RESULTS.md; the zero-copy kernels' time grows with the span): into 6 GiB the CPU
-  // threads wrote 512 k random 64 B rows in 1.56-1.60 ms against 3.21-3.27, 256 k of 32 B
-  // 0.87-0.97 against 2.77-2.79, 1 M of 32-64 B 2.79-3.09 against 2.95-2.98; into 4 GiB the
-  // zero-copy kernels still won for 1 M rows of 32 B (1.82 against 2.88-3.04) and for
-  // 128-512 B rows.
+  // Past this span random rows of a host-mapped table move faster through CPU threads and DMA
+  // than through the zero-copy kernels, whose time grows with the span (a row rate: address
+  // translation); below it the zero-copy kernels win and no call waits for its stream. See
+  // docs/decisions.md, "The hybrid's span".
   static constexpr int64_t kHybridMinSpan = int64_t{6} << 30;
   // Loads of rows narrower than this from tables of hybrid_min_span and more go through the
-  // CPU alone (see route). Measured on the H100 (bench/cpu_side.py, 16 threads, a CPU index,
-  // minimums of three rounds): 1 M random 32 B rows of an 8 GiB table took 1.61-1.79 ms
-  // through the CPU side alone against 2.17-2.27 split by the tuner, 512 k rows of 64 B from
-  // 24 GiB 1.39-1.69 against 1.66-2.06; 128 B rows tied, as did 512 B.
+  // CPU alone (see route): the zero-copy kernels' many small reads share the link with the CPU
+  // side's copies, so even a small zero-copy share slows such a call. See docs/decisions.md,
+  // "Narrow loads through the CPU side alone".
   static constexpr int64_t kNarrowRowBytes = 128;
 
   // Records one of the call's tables.

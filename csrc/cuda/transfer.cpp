@@ -77,8 +77,7 @@ std::pair<at::Tensor, at::Tensor> sort_rows(const at::Tensor& rows,
                                             const std::optional<at::Tensor>& slots,
                                             int64_t bound) {
   // The rows' significant bits only: a 1 M-row table sorts 20 bits in 3 radix passes, where a
-  // full int64 sort (at::sort) takes 8; on the H100 that sort was 68 us of a 1.3 ms seed gather
-  // (bench/op_profile.py).
+  // full int64 sort (at::sort) takes 8 (see docs/decisions.md, "Sorting row numbers").
   const int64_t n = rows.numel();
   if (n == 0) return {at::empty_like(rows), slots ? *slots : at::empty_like(rows)};
   if (n > std::numeric_limits<int32_t>::max()) {  // past cub's item count
@@ -172,10 +171,8 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
 
 // Write-backs of more bytes or positions than these take the separate kernels: their copy
 // kernel, in a grid that need not be resident at once, moves bytes faster, and past these
-// sizes a call's GPU time is longer than its host time. On the H100 (bench/resident.py,
-// 131,072 random rows of a 1 GiB table, loops of 20 calls): 64 MiB (512 B rows) took
-// 0.0681-0.0701 ms fused against 0.0674-0.0699 separate; 16 MiB (128 B rows) 0.031 against
-// 0.040, 8 MiB (64 B) 0.025-0.026 against 0.036-0.037, 4 MiB (32 B) 0.022 against 0.034.
+// sizes a call's GPU time is longer than its host time, which the one kernel saves. See
+// docs/decisions.md, "Fused CUDA-table scatters".
 constexpr int64_t kFusedMaxBytes = int64_t{32} << 20;
 constexpr int64_t kFusedMaxPositions = int64_t{1} << 20;
 

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from .. import io
-from ..memory import RANDOM_FILLS, empty_pinned, fill_random_, initialize_, load_npy
+from ..io import load_npy
+from ..memory import RANDOM_FILLS, empty_pinned, fill_random_, initialize_
 from ..training import optim_state
 from ..training.placement import (allocate, check_loaded, cuda_or_raise, mmap_npy,
                                   next_free_name, resolve_dtype)

@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
                    help="torch's fused optimizer kernels (fused=True): adam, adamw, sgd; "
                         "adagrad on the CPU only (torch has no fused rmsprop); auto: on for the "
                         "module engine on a GPU with adam or adamw (one kernel instead of "
-                        "several a step: 1.06x the step rate on the H100, bench/RESULTS.md)")
+                        "several a step; docs/decisions.md, 'The demo's fused optimizer')")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-budget-mb", type=float, default=None,
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
@@ -44,9 +44,9 @@ def parser() -> argparse.ArgumentParser:
                         "--cache-mb; factories: SpeedTorch's ModelFactory/OptimizerFactory calls "
                         "(--switching); auto: module on a GPU, factories on the CPU")
     # 1100: everything of ours within 1.5 GiB of GPU memory. A captured step with prefetch
-    # peaked 268 MiB above its cache on the H100 (1,268 MiB with 1000), and its capture needs
-    # room for a second copy of the step's buffers (the graph's own pool): with 1200 the
-    # capture ran out of a 1536 MiB budget.
+    # needs room beside its cache for the step's buffers and, while it is captured, for a
+    # second copy of them (the graph's own pool); a larger cache leaves the capture short of
+    # a 1536 MiB budget. See docs/decisions.md, "The demo's row cache budget".
     p.add_argument("--cache-mb", type=float, default=1100,
                    help="GPU row cache of the module engine, for both tables together (rows "
                         "with their optimizer state, and the cache's index)")
@@ -58,20 +58,19 @@ def parser() -> argparse.ArgumentParser:
                    help="module engine: load the next batch's rows (those the caches miss) on a "
                         "side stream while the current batch trains (HostEmbedding.prefetch; "
                         "a captured step takes the next batch's ids as inputs); auto: on in a "
-                        "captured step (on the H100 0.97-1.06x with a cache, 1.13-1.23x without), "
-                        "else off")
+                        "captured step, else off (docs/decisions.md, 'The demo's prefetch')")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],
                    default="auto",
                    help="plain: SpeedTorch 0.1.6's calls (separate weight and state tables); "
                         "colocated: weight and state rows side by side in one host table "
                         "(speedtorch_ops.colocate); prefetch: colocated, and the next batch's "
                         "rows load while the current one trains; auto: colocated on a GPU, "
-                        "plain on the CPU (bench/RESULTS.md has the measurements)")
+                        "plain on the CPU (docs/decisions.md, 'The demo's colocated rows')")
     p.add_argument("--transfer-sms", type=int, default=16,
                    help="SMs the transfer kernels may use (0: all). Capped, the loads and "
                         "write-backs of the two tables run beside each other and beside the "
-                        "training kernels; on the H100, 16 SMs move rows as fast as all 132 "
-                        "(bench/layout.py) and the demo steps faster")
+                        "training kernels; a few SMs move rows as fast as all of them "
+                        "(docs/decisions.md, 'The demo's transfer SM cap')")
     p.add_argument("--reuse-batches", action="store_true",
                    help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
     return p

@@ -152,8 +152,9 @@ class ModuleTraining:
         # Adagrad keeps its step count on the CPU and has no capturable mode (the others of
         # OPTIMIZERS either have one or keep no step count).
         cpu_step = cls is torch.optim.Adagrad and not kwargs.get("fused")
-        # auto: a graph on a GPU (on the H100: 1.8x the eager step rate with a 1200 MiB cache,
-        # 1.04x without one); eager steps when the optimizer cannot be captured.
+        # auto: a graph on a GPU (a replay queues the whole step at once, where eager steps
+        # wait for the host: docs/decisions.md, "The demo's captured step"); eager steps when
+        # the optimizer cannot be captured.
         self.graphed = device.type == "cuda" and (
             graph == "on" or (graph == "auto" and not cpu_step))
         if self.graphed and "capturable" in inspect.signature(cls).parameters:
@@ -169,8 +170,9 @@ class ModuleTraining:
         self.u.reset_parameters(lambda w: so.fill_random_(w, "uniform", -bound, bound))
         self.v.reset_parameters(lambda w: so.fill_random_(w, "normal", 0.0, bound))
         # Each step prefetches the next one's rows (a captured step takes its ids as inputs).
-        # auto: in a captured step (on the H100 with a cache 0.97-1.06x in two runs; without
-        # one 1.13-1.23x once the prefetch's transfers were capped at 32 SMs).
+        # auto: in a captured step, where the prefetch's transfers run beside the step's own
+        # kernels (eager steps would add its host work to theirs): docs/decisions.md, "The
+        # demo's prefetch".
         self.prefetching = prefetch == "on" or (prefetch == "auto" and self.graphed)
 
     def cache_split(self, cache_mb: float) -> tuple:
@@ -190,11 +192,8 @@ class ModuleTraining:
         # With caches each table prefetches right after its own forward, v (whose loads are
         # the larger) first: v's load then waits for v's planning only, not for u's too.
         # Without caches both forwards go first: each prefetch then moves every row of the next
-        # batch, and started before u's forward it slowed the step. Captured, H100,
-        # bench/cache_budget.py --modes graph-prefetch: Zipf with 1200 MiB of cache 462.6-470.4
-        # steps/s in eight runs over three machines against 444.5-461.8 in the other order;
-        # no cache 278.4 / 278.9 against 318.9 / 321.8 (Zipf) and 257.9 / 250.0 against
-        # 298.2 / 298.1 (uniform).
+        # batch, and started before u's forward it slowed the step. See docs/decisions.md,
+        # "The demo's prefetch order".
         ahead = following is not None
         if ahead and self.v.store.cached_bytes() > 0:
             vc, vn = self.v(ctx, negs)

@@ -65,10 +65,9 @@ struct Side {
 // queue(b, len) once positions [b, b + len) of a chunk are all in, to queue that chunk's copy.
 // One parallel region for all chunks: each thread gathers its share of every chunk in turn and
 // the thread that completes a chunk queues its copy, so no thread waits for the others between
-// chunks. A parallel_for per chunk, joined before the host queued the chunk's copy, was slower
-// (H100 host, 16 threads, the CPU side's load in the same processes, three calls: 8 GiB, 1 M
-// random 64 B rows 2.04-2.84 ms against 2.23-3.25; 512 k of 24 GiB 1.16-1.46 against
-// 1.22-1.61; bench/RESULTS.md).
+// chunks. A parallel_for per chunk, joined before the host queued the chunk's copy, was slower:
+// every join kept the threads that had finished waiting for the last one (see
+// docs/decisions.md, "The CPU side's load in one parallel region").
 void gather_chunks(const std::vector<Pair>& pairs, const std::vector<at::Tensor>& tables,
                    const at::Tensor& rows, Staging& staging, int64_t chunk,
                    const c10::Device& device, const std::function<void(int64_t, int64_t)>& queue) {
@@ -141,11 +140,9 @@ void write_landed(const std::vector<Pair>& pairs, const std::vector<at::Tensor>&
                   bool accumulate) {
   // One owner at a time asks the driver whether chunks have landed, in order, and the others
   // read how far it got: with every owner synchronizing each chunk's event itself, the CPU
-  // side's write-back was slower (H100 host, 16 threads, same processes, two runs: 8 GiB,
-  // 1 M random 64 B rows 3.51-3.54 ms against 3.17-3.32; 512 k of 128 B 2.32-3.01 against
-  // 2.03-2.30; 24 GiB, 512 k of 64 B 1.97 against 1.80-1.82). An owner waiting on the lock
-  // may wait for a later chunk than its own; waiters that spun on the count instead of the
-  // lock were no faster (bench/RESULTS.md).
+  // side's write-back was slower. An owner waiting on the lock may wait for a later chunk than
+  // its own; waiters that spun on the count instead of the lock were no faster. See
+  // docs/decisions.md, "One poller for landed chunks".
   std::atomic<int64_t> landed_upto{0};
   std::mutex asking;
   const ChunkReady ready = [&](int64_t c) {
@@ -296,9 +293,9 @@ struct HostIndex {
 
 // Queues the copies of the CUDA indices into the pinned area held in `slot` (kept between
 // calls) on the current stream, for the caller to wait for; each index's `host` is its place
-// there. With a pinned buffer allocated each call instead (torch's caching host allocator), a
-// CUDA index of 1 M positions reached the host and was checked in 0.50-1.16 ms (H100 host,
-// 8 GiB table); through the kept area in 0.55-0.62, the copy's wait 0.41-0.47 of it.
+// there. A pinned buffer allocated each call instead (torch's caching host allocator) made
+// the index take longer and vary more on its way to the host (see docs/decisions.md, "The CUDA
+// index's pinned area").
 void queue_to_host(const std::array<HostIndex, 2>& indices, at::Tensor& slot) {
   // Each index's bytes, rounded up so that the next one starts aligned for any index type.
   const auto bytes_of = [](const at::Tensor& i) {

@@ -1,10 +1,9 @@
 // How the hybrid path picks its zero-copy share for a shape of call: a search for the share at
 // which the call takes least time, from the measured time of calls at each share tried.
 // Both sides of a call share the PCIe link and the host's memory, so a share at which the two
-// sides end together is not the fastest: on 8-24 GiB tables of 512 B rows, the share where
-// they ended together (0.42-0.49) took 1.85-1.87 ms (8 GiB) where a share of 0.2 took
-// 1.72-1.75. The search therefore compares whole calls. Torch- and CUDA-free (the C++ tests
-// check it).
+// sides end together is not the fastest (each side slows the other). The search therefore
+// compares whole calls (see docs/decisions.md, "The hybrid's split search"). Torch- and
+// CUDA-free (the C++ tests check it).
 #pragma once
 
 #include <cstddef>
@@ -15,17 +14,17 @@ namespace speedtorch_ops::hybrid {
 
 // A scan, then a closer look: time every share of a coarse grid, then the best of them again
 // beside the shares `refine` either side of it and the grid's first share, and settle on the
-// best of those (on the H100, a noisy machine once settled 8 GiB / 128 B loads at a share
-// that took 2.5-2.65 ms where the CPU side alone, the first share, took 1.76-1.85). Each
+// best of those (without the first share in the closer look, a slow spell over its calls in
+// the scan once kept a noisy machine off the CPU side alone, the best share there). Each
 // share is timed by a few calls, compared by their medians, so one slow call does not pick
 // the share; the calls go round the shares in turn, so a trend (the first calls of a shape
 // run slower while staging is allocated and faulted in) or a slow spell of the machine weighs
 // on all of them alike, and the last choice compares only shares timed in the same turns. A
 // grid share more than `drop` times slower than the fastest in the first turn is not timed
-// again in the scan (the far end of the grid can take 2-4x; one slow call can drop a good
-// share, whose neighbours the closer look then still tries; the closer look times the first
-// share whatever the scan made of it). A descent from point to point was sent down
-// wrong paths by slow calls. Near the fastest share the time changes little, and the
+// again in the scan (the far end of the grid can take several times as long; one slow call
+// can drop a good share, whose neighbours the closer look then still tries; the closer look
+// times the first share whatever the scan made of it). A descent from point to point was sent
+// down wrong paths by slow calls. Near the fastest share the time changes little, and the
 // zero-copy side's kernels hold SMs the caller's own work could use, so the best share is the
 // lowest one whose calls were within `margin` of the fastest. A settled search scans again
 // every `recheck` calls, so a share follows a machine whose speeds drift. The first `warmup`

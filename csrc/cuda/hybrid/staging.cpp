@@ -12,7 +12,9 @@ namespace speedtorch_ops::cuda_impl {
 namespace {
 
 // Bytes per CPU chunk: the CPU gathers (or scatters) one chunk while the copy engine moves the
-// next (or the previous).
+// next (or the previous). Smaller chunks cost more per chunk than they overlap; larger ones
+// leave the copy engine idle longer at the start and the end (see docs/decisions.md, "The CPU
+// side's chunks").
 constexpr int64_t kChunkBytes = int64_t{2} << 20;
 
 // Start offsets of each table's block in a store-major staging area of n rows per table.
@@ -32,7 +34,7 @@ std::vector<int64_t> block_offsets(const std::vector<Pair>& pairs, int64_t n) {
 DeviceState& state_of(c10::DeviceIndex device) {
   static std::mutex mutex;
   // Never destroyed: at process exit, freeing pinned memory or events after torch's CUDA state
-  // is gone aborts the process (seen on the H100: "Unrecognized stream" from ~TensorImpl).
+  // is gone aborts the process ("Unrecognized stream" from ~TensorImpl).
   static auto* states = new std::map<c10::DeviceIndex, std::unique_ptr<DeviceState>>();
   std::lock_guard<std::mutex> lock(mutex);
   auto& state = (*states)[device];
