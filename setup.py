@@ -47,7 +47,7 @@ def extension():
         return cpp_extension.CppExtension(
             "speedtorch_ops._C", cpp, include_dirs=include,
             extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], py_limited_api=False)
-    # Only the architectures we run on: sm_90 (H100) plus PTX, unless the caller says otherwise.
+    # Only the architecture we run on (sm_90, Hopper) plus PTX, unless the caller says otherwise.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
     define = ["-DSPEEDTORCH_OPS_WITH_CUDA"]
     return cpp_extension.CUDAExtension(

@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 start=$(date +%s)
 # The GPU image sets CXX=/opt/gcc/bin/g++, a toolchain that links libstdc++ statically: an
 # extension built with it gets its own copy of libstdc++ and crashes formatting an error message
-# (seen 2026-11-22). Build with the system compiler, which links libstdc++ like torch does.
+# (seen on the GPU machine). Build with the system compiler, which links libstdc++ like torch does.
 export CC=${SPEEDTORCH_OPS_CC:-gcc} CXX=${SPEEDTORCH_OPS_CXX:-g++}
 # Every source compiled here: objects an earlier call left in setup.py's build directory were
 # judged by file times that a tree copied from another machine need not keep in order.

@@ -193,8 +193,8 @@ class ColocatedRows(RowStore):
     transfer each way moves a row's weight and optimizer state together.
 
     Zero-copy reads of random rows over multi-GiB host tables are limited by a row rate rather
-    than by bytes, so fewer, larger rows move faster (49,152 rows of weight + Adam state: 1.71 ms
-    as one 1536 B row each vs 2.11 ms as three 512 B tables on the H100; bench/RESULTS.md).
+    than by bytes, so fewer, larger rows move faster (docs/decisions.md, "The demo's colocated
+    rows").
 
     ``prefetch(plan)`` loads a later batch on a transfer stream while the current one trains;
     write-backs run on that stream too. Rows the two batches share are stale in the prefetched
@@ -326,8 +326,8 @@ class ColocatedRows(RowStore):
     def _patch(self, batch: _Batch, older: _Batch) -> None:
         """Rows of `batch` that `older` also holds take older's updated values (the row's owner
         slot: its first slot, which the stable sort puts first). Found on the device by binary
-        search in older's sorted ids (a host-side row -> slot map cost ~2.9 ms per step for 4 M
-        rows: random accesses into 16 MB)."""
+        search in older's sorted ids (a host-side row -> slot map costs random accesses into a
+        map as large as the table's row count, every step)."""
         sorted_ids, perm = older.plan.sorted
         idx = batch.plan.on(self.device)
         if sorted_ids.numel() == 0 or idx.numel() == 0:

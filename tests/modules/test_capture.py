@@ -224,8 +224,8 @@ except MemoryError as error:
 def test_a_step_failing_inside_the_capture_raises_its_own_error():
     """A step that fails after forking a side stream (as a prefetch or the cache's lane does)
     also makes the capture's end fail; the step's own error is the one raised. In a process of
-    its own: torch leaves a failed capture's CUDA random generator unusable (seen on the H100:
-    the next nn.Linear failed with "Offset increment outside graph capture")."""
+    its own: torch leaves a failed capture's CUDA random generator unusable (the next
+    nn.Linear failed with "Offset increment outside graph capture")."""
     import subprocess
     import sys
     done = subprocess.run([sys.executable, "-c", FAILING_CAPTURE], capture_output=True,
