@@ -12,7 +12,6 @@ with GPU row caches) on the Zipf corpus, profiled two ways with torch.profiler.
 
 import argparse
 import collections
-import functools
 import json
 import os
 import re
@@ -20,27 +19,23 @@ import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from speedtorch_ops.demo.train import ModuleTraining
-from speedtorch_ops.training import cache as cache_mod
 
 from _workloads import add_skipgram_shape, skipgram_corpus
 
-PHASES = [(cache_mod.CachedRows, "stage"), (cache_mod.CachedRows, "_evict"),
-          (cache_mod.CachedRows, "commit"), (cache_mod.HostRows, "stage"),
-          (cache_mod.HostRows, "commit"), (cache_mod.HostRows, "prefetch"),
-          (cache_mod.Distinct, "__init__")]
+# The phases' labels: the library's own ranges (speedtorch_ops.<Class>.<method>: the stores'
+# stage, victim choice, commit and prefetch, the distinct ids) and torch's optimizer step.
+LABELS = ("speedtorch_ops.", "Optimizer.step#")
 
 
-def label(cls, name):
-    original = getattr(cls, name)
-
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        with record_function(f"phase:{cls.__name__}.{name}"):
-            return original(*args, **kwargs)
-    setattr(cls, name, wrapped)
+def phase_name(event_name: str):
+    """The phase an event labels ("CachedRows.stage", "Adam.step"), or None."""
+    for prefix in LABELS:
+        if event_name.startswith(prefix):
+            return event_name[len(prefix):]
+    return None
 
 
 def kernels_under(event) -> list:
@@ -58,10 +53,11 @@ def phase_table(prof, steps: int) -> dict:
     both: Distinct inside a stage)."""
     acc = collections.defaultdict(lambda: [0.0, 0])
     for e in prof.events():
-        if e.name.startswith("phase:"):
+        name = phase_name(e.name)
+        if name is not None:
             ks = kernels_under(e)
-            acc[e.name[6:]][0] += sum(k.duration for k in ks)
-            acc[e.name[6:]][1] += len(ks)
+            acc[name][0] += sum(k.duration for k in ks)
+            acc[name][1] += len(ks)
     return {k: {"gpu_us": v[0] / steps, "kernels": v[1] / steps} for k, v in acc.items()}
 
 
@@ -262,11 +258,7 @@ def main() -> None:
     result["graph_timeline"] = timeline(prof)
     del run
 
-    # Eager, phases labelled.
-    for cls, name in PHASES:
-        label(cls, name)
-    import torch.optim.adam as adam_mod
-    label(adam_mod.Adam, "step")
+    # Eager: the phases' labels are the library's and torch's own.
     args.graph = "off"
     run = make()
     steps(run, 0, a.warmup)

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from .memory import fill_random_
 from .training import optim_state
-from .training.cache import CachedRows, Distinct, HostRows
+from .training.cache import CachedRows, Distinct, HostRows, Stat
 from .training.placement import allocate, resolve_dtype, upload
 from .training.plan import Plan, check_bounds_mode
 
@@ -623,14 +623,14 @@ class _HostRowsModule(nn.Module):
         from the cache to make room (a read-only forward's too, whose rows stay cached; counted
         once its step commits or is discarded), misses written straight back; the hit rate;
         bytes moved over the host link."""
-        lookups, hits, loads, evictions, direct, ahead, prefetched = (
-            int(x) for x in self.store.stats.tolist())
-        moved = loads - ahead + prefetched + evictions + direct
-        return {"lookups": lookups, "hits": hits, "host_loads": loads, "evictions": evictions,
-                "direct_writebacks": direct, "prefetched_loads": ahead,
-                "prefetched_rows": prefetched, "hit_rate": hits / lookups if lookups else 0.0,
-                "host_bytes": self.host[0].nbytes * moved,
-                "cache_bytes": self.store.cached_bytes()}
+        counts = self.store.stats.tolist()
+        out = {stat.name.lower(): int(counts[stat]) for stat in Stat}
+        moved = (out["host_loads"] - out["prefetched_loads"] + out["prefetched_rows"]
+                 + out["evictions"] + out["direct_writebacks"])
+        out.update(hit_rate=out["hits"] / out["lookups"] if out["lookups"] else 0.0,
+                   host_bytes=self.host[0].nbytes * moved,
+                   cache_bytes=self.store.cached_bytes())
+        return out
 
     def _scalar_view(self, key: str, value) -> Tensor:
         """The tensor state_dict gives for a Python scalar of the optimizer's (SparseAdam's

@@ -48,16 +48,34 @@ join); a prefetch between steps is joined by the next stage.
 
 from __future__ import annotations
 
+import functools
+from enum import IntEnum
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .. import ops
 from .plan import Plan
 from .stores import RowStore, on_stream, wait_for
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
+
+
+def _phase(method):
+    """Label a method's work for torch.profiler as "speedtorch_ops.<Class>.<method>", so a
+    profile shows a step's phases (bench/step_profile.py reads them); nothing when no profiler
+    runs."""
+    label = f"speedtorch_ops.{method.__qualname__}"
+
+    @functools.wraps(method)
+    def labelled(*args, **kwargs):
+        if not torch.autograd._profiler_enabled():
+            return method(*args, **kwargs)
+        with record_function(label):
+            return method(*args, **kwargs)
+    return labelled
 # The row cache's SM caps by default, loads and write-backs (why: CachedRows.__init__).
 _LANE_SMS, _WRITE_SMS = 8, 6
 
@@ -87,6 +105,7 @@ class Distinct:
     ``ids[:count]`` ascending, ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of
     the plan's i-th id."""
 
+    @_phase
     def __init__(self, plan: Plan, rows: int):
         index = plan.index
         self.n = len(plan)
@@ -103,6 +122,20 @@ def _among(ids: Tensor, of: "Distinct") -> Tensor:
     return key[at] == ids
 
 
+class Stat(IntEnum):
+    """The counters of a store's ``stats`` (one int64 tensor on its device, so the replays of a
+    captured step count too), since construction: distinct rows looked up, cache hits, rows a
+    stage took from the host (misses; now or ahead), rows evicted from the cache, misses written
+    straight back, the misses a prefetch had loaded, rows prefetches loaded (taken or not)."""
+    LOOKUPS = 0
+    HITS = 1
+    HOST_LOADS = 2
+    EVICTIONS = 3
+    DIRECT_WRITEBACKS = 4
+    PREFETCHED_LOADS = 5
+    PREFETCHED_ROWS = 6
+
+
 class Victims(NamedTuple):
     """A step's admission decisions (made at stage, applied at commit): the victim slots (the
     coldest unused ones, coldest first), the staged positions of the first k misses paired with
@@ -112,6 +145,19 @@ class Victims(NamedTuple):
     first: Tensor
     admit: Tensor
     evicted: Tensor
+
+
+class Staged(NamedTuple):
+    """A stage's rows, kept for its commit: the distinct ids, the buffer (parts, n, *row); in
+    the cache also each row's slot (``at``: the slot past the cache for a miss), the staged
+    positions with the misses first (``order``), how many misses (``misses``, on the device)
+    and the admission decisions (``victims``)."""
+    distinct: "Distinct"
+    buf: Tensor
+    at: Optional[Tensor] = None
+    order: Optional[Tensor] = None
+    misses: Optional[Tensor] = None
+    victims: Optional[Victims] = None
 
 
 class Carry:
@@ -135,11 +181,8 @@ class HostRows:
         self.device = torch.device(device)
         self.parts = host.shape[1]
         self.row_shape = tuple(host.shape[2:])
-        self._staged: Optional[tuple] = None
-        # lookups, hits, misses (rows a stage took from the host, now or ahead), evictions,
-        # direct write-backs; of the misses, those a prefetch had loaded; rows prefetches loaded
-        # (taken or not)
-        self.stats = torch.zeros(7, dtype=torch.int64, device=self.device)
+        self._staged: Optional[Staged] = None
+        self.stats = torch.zeros(len(Stat), dtype=torch.int64, device=self.device)  # see Stat
         self._carry: Optional[Carry] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead_done = None  # the event after the last prefetch's transfer
@@ -158,6 +201,7 @@ class HostRows:
         ops._sorted_transfer(self.host, parts, rows, slots, load, count=count,
                              bounds_check=_NO_WAIT, sms=sms)
 
+    @_phase
     def stage(self, plan: Plan, spare: int = 0) -> tuple:
         """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
         Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
@@ -170,9 +214,9 @@ class HostRows:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
         else:
             self._load(buf, d, d.valid & ~carried)
-        self.stats[0] += d.count[0]
-        self.stats[2] += d.count[0]
-        self._staged = (d, buf)
+        self.stats[Stat.LOOKUPS] += d.count[0]
+        self.stats[Stat.HOST_LOADS] += d.count[0]
+        self._staged = Staged(d, buf)
         return buf, d
 
     def _begin_stage(self, plan: Plan) -> "Distinct":
@@ -202,7 +246,7 @@ class HostRows:
             take = miss & carry.loaded & (carry.ids == d.ids)
             # Only the carried rows move (a where over every position moved all of them).
             ops._take_rows(buf, carry.buf, torch.where(take, d.positions, -1), d.count)
-            self.stats[5] += take.sum()
+            self.stats[Stat.PREFETCHED_LOADS] += take.sum()
         carry.loaded.zero_()
         return take
 
@@ -210,6 +254,7 @@ class HostRows:
         """Whether each row of `ids` is held on the device (None: this store holds none)."""
         return None
 
+    @_phase
     def prefetch(self, plan: Plan) -> None:
         """Start loading the rows of `plan`, the ids of a coming step, that the host table will
         still hold unchanged when that step stages them, into the carry (see the module
@@ -234,8 +279,8 @@ class HostRows:
         if cached is not None:
             want &= ~cached
         # The staged step's commit may write its rows back: the next stage loads them.
-        if self._staged is not None and self._staged[0].n:
-            want &= ~_among(d.ids, self._staged[0])
+        if self._staged is not None and self._staged.distinct.n:
+            want &= ~_among(d.ids, self._staged.distinct)
         if self._carry is None or self._carry.ids.numel() != d.n:
             if capturing:  # a graph keeps the addresses it captured: the carry must exist
                 raise RuntimeError(f"prefetch inside a CUDA graph capture needs the buffer an "
@@ -250,7 +295,7 @@ class HostRows:
             self._ahead_done = self._side.record_event() if self._side is not None else None
         self._ahead_captured = capturing
         self._ahead_uses = [d, want, *uses]
-        self.stats[6] += want.sum()
+        self.stats[Stat.PREFETCHED_ROWS] += want.sum()
 
     # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
     # training kernels. Uncapped, they took the SMs the training kernels needed and the
@@ -294,14 +339,15 @@ class HostRows:
         if self._carry is not None:
             self._carry.loaded.zero_()
 
+    @_phase
     def commit(self) -> None:
         """Write the staged rows (updated in place) back."""
-        d, buf = self._take()
+        d, buf = self._take()[:2]
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False, sms=self._write_sms)
-        self.stats[4] += d.count[0]  # every staged row goes straight back
+        self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]  # every staged row goes straight back
         self._join_ahead()
 
-    def _take(self) -> tuple:
+    def _take(self) -> Staged:
         if self._staged is None:
             raise RuntimeError("commit: no rows are staged (call stage, i.e. the module's "
                                "forward, first)")
@@ -405,6 +451,7 @@ class CachedRows(HostRows):
     def _cached(self, ids: Tensor) -> Tensor:
         return self.slot_of[ids] >= 0
 
+    @_phase
     def stage(self, plan: Plan, spare: int = 0) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
@@ -412,7 +459,8 @@ class CachedRows(HostRows):
         # host or the carry; the lookup counts each id's use.
         at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, self.slots)
         order, misses = ops._partition(miss)  # misses first, ascending
-        self.stats[:3] += torch.cat([d.count, d.count - misses, misses])
+        self.stats[Stat.LOOKUPS:Stat.HOST_LOADS + 1] += torch.cat([d.count, d.count - misses,
+                                                                    misses])
         # On the lane, as soon as the lookup is done: the victims are chosen and their rows
         # written back while the stage copies the hits and loads the misses, and the step
         # trains. Forked after the copies, the write-back waited for them (0.19 ms of the v
@@ -436,9 +484,10 @@ class CachedRows(HostRows):
                        sms=self._lane_sms)
         else:
             self._load(buf, d, miss & ~carried, sms=self._lane_sms)
-        self._staged = (d, buf, at, order, misses, victims)
+        self._staged = Staged(d, buf, at, order, misses, victims)
         return buf, d
 
+    @_phase
     def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> Victims:
         """Choose the slots the misses take: the least-frequently used slots this step does not
         use, the coldest for the first misses; a miss is admitted when its row is accessed at
@@ -461,10 +510,11 @@ class CachedRows(HostRows):
                    sms=self._write_sms)
         return Victims(victims, first, admit, evicted)
 
+    @_phase
     def commit(self) -> None:
         d, buf, at, order, misses, (victims, first, admit, evicted) = self._take()
         self._join()  # the evicted rows are on the host: their slots can be overwritten
-        self.stats[3] += evicted[0]
+        self.stats[Stat.EVICTIONS] += evicted[0]
         k = first.numel()
         # Misses not admitted go straight back to the host, on the lane while the cache and its
         # map take the step's rows (no row is in both).
@@ -483,7 +533,7 @@ class CachedRows(HostRows):
         # puts them all back.
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         ops._put_rows(self.cache, buf, dest, d.count)
-        self.stats[4] += rest_count[0]
+        self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)
         self._join()
@@ -531,7 +581,7 @@ class CachedRows(HostRows):
         the step wrote back at stage are counted."""
         self._join()
         if self._staged is not None:
-            self.stats[3] += self._staged[-1].evicted[0]
+            self.stats[Stat.EVICTIONS] += self._staged.victims.evicted[0]
 
     def reset(self) -> None:
         """The host table is about to be rewritten: the cached copies are dropped, not written
@@ -553,6 +603,15 @@ class CachedRows(HostRows):
         wait_for(self.device)  # the host reads the table next
 
 
+class _Loaded(NamedTuple):
+    """The batch a CachedPositions store loaded last: its plan, the cache's staged rows and
+    their Distinct, and the rows expanded to the batch's slots."""
+    plan: Plan
+    buf: Tensor
+    distinct: Distinct
+    slots: Tensor
+
+
 class CachedPositions(RowStore):
     """The GPU row cache as a row store for the compatible factories: their batch-sized modules
     hold one slot per id (duplicates included), so a load expands the cache's distinct rows to
@@ -562,7 +621,7 @@ class CachedPositions(RowStore):
         self.rows = CachedRows(host, device, slots)
         self.device = self.rows.device
         self.host = host
-        self._current: Optional[tuple] = None
+        self._current: Optional[_Loaded] = None
         self._written: Optional[Plan] = None  # the last batch written back
 
     def tables(self):
@@ -570,23 +629,23 @@ class CachedPositions(RowStore):
         return [self.host[:, k] for k in range(self.host.shape[1])]
 
     def _recent_plans(self):
-        return (self._current[0] if self._current is not None else None, self._written)
+        return (self._current.plan if self._current is not None else None, self._written)
 
     def load(self, plan: Plan, out=None):
-        if self._current is not None and self._current[0] is plan:
-            return list(self._current[3].unbind(0))
+        if self._current is not None and self._current.plan is plan:
+            return list(self._current.slots.unbind(0))
         if self._current is not None:
             self.rows.discard()  # a batch that was never written back leaves nothing behind
         buf, d = self.rows.stage(plan)
         slots = buf.index_select(1, d.inverse)  # every slot gets its row
-        self._current = (plan, buf, d, slots)
+        self._current = _Loaded(plan, buf, d, slots)
         return list(slots.unbind(0))
 
     def write_back(self, plan: Plan, rows=()) -> None:
         current = self._current
         if current is None and plan is self._written:
             return  # the pair's second call
-        if current is None or current[0] is not plan:
+        if current is None or current.plan is not plan:
             raise ValueError("write_back: these ids are not the batch loaded last by this store")
         _, buf, d, slots = current
         # Each slot writes its owner's values, so all writes to a distinct row agree.

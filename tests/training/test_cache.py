@@ -180,3 +180,18 @@ def test_sm_caps_reach_the_transfers(device, monkeypatch):
     emb.prefetch(torch.tensor([3], device=device))
     emb.step()
     assert sorted(set(calls)) == [(False, 2), (True, 0), (True, 7)]  # stage, prefetch, commit
+
+
+def test_phases_are_labelled_for_the_profiler(gen):
+    """A profile of a step shows the stores' phases under the library's own labels (the
+    benchmarks read them instead of patching methods); nothing is recorded without one."""
+    from torch.profiler import ProfilerActivity, profile
+    emb = so.HostEmbedding(20, 4, optimizer=torch.optim.Adam, device="cpu")
+    ids = torch.randint(0, 20, (9,), generator=gen)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        emb(ids).sum().backward()
+        emb.prefetch(ids)
+        emb.step()
+    names = {e.name for e in prof.events()}
+    for phase in ("HostRows.stage", "HostRows.commit", "HostRows.prefetch", "Distinct.__init__"):
+        assert f"speedtorch_ops.{phase}" in names, phase
