@@ -28,9 +28,8 @@ and loads the misses (on the current stream, which needs them next) and the step
 admitted go back on it while the cache and its map take the step's rows, and the current stream
 joins it before commit returns, so a captured step (CUDA graph) holds the fork and the join.
 Its transfer kernels, and a stage's miss loads and the prefetch's, use at most ``lane_sms``
-SMs (loads) and ``write_sms`` (write-backs), so the training kernels keep the rest. Captured
-on the H100, the lane took a cached step from 241 to 290 steps/s (``bench/cache_budget.py
---overlap on off``).
+SMs (loads) and ``write_sms`` (write-backs), so the training kernels keep the rest
+(docs/decisions.md, "The row cache's lane").
 
 Prefetch (both stores): ``prefetch(plan)``, called while a step is staged (between its forward
 and its commit) or between steps, loads the coming step's rows that the host table will still
@@ -298,16 +297,13 @@ class HostRows:
         self.stats[Stat.PREFETCHED_ROWS] += want.sum()
 
     # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
-    # training kernels. Uncapped, they took the SMs the training kernels needed and the
-    # prefetch lost to none (223.3 against 243.5 steps/s, captured, no cache, uniform corpus,
-    # H100); capped at 8 / 16 / 32 SMs it won (252.7 / 266.4 / 276.3): bench/cache_budget.py
-    # --ahead-sms. The cache's lane has its own cap (lane_sms).
+    # training kernels: uncapped, they took the SMs the training kernels needed and the
+    # prefetch lost to none (docs/decisions.md, "The prefetch's SM cap"). The cache's lane has
+    # its own cap (lane_sms).
     ahead_sms = _SmCap(32)
     # The most SMs of a commit's write-back (0: no cap of its own), which may run beside the
-    # prefetch's loads. Capped, a load and a write-back together reach 62-66 GB/s, against 48
-    # uncapped (bench/contention.py); in the uncached step a cap of 8 changed nothing beyond
-    # the spread of runs (uniform corpus, prefetch on 32 / 16 SMs: 236-253 / 260-295 steps/s
-    # capped, 237-247 / 273-275 not: bench/cache_budget.py --write-sms 0 8), so none by default.
+    # prefetch's loads; in the uncached step a cap changed nothing beyond the spread of runs,
+    # so none by default (docs/decisions.md, "The prefetch's SM cap").
     write_sms = _SmCap(0)
 
     @property
@@ -400,13 +396,9 @@ class CachedRows(HostRows):
         # own), so the training kernels keep the rest. Without it the cache's own transfers
         # run in order on the current stream, uncapped.
         # The caps are low because a transfer that keeps more requests in flight than the link
-        # takes slows every kernel beside it, not only itself. On the H100 a captured burst of
-        # small kernels ran 3.6x slower beside an uncapped load and 1.2-1.3x beside one on 8-16
-        # SMs (46-49 GB/s); beside a load and a write-back of other rows at once, 3.8x with
-        # 16 SMs each (66 GB/s together) and 1.5x with 6 each (64 GB/s) (bench/contention.py).
-        # The cached, captured, prefetching step went from 393 to 450 steps/s with the caps at
-        # 8 / 6 instead of 16 / 16; 12 / 6, 10 / 6, 6 / 6, 8 / 8 and 8 / 4 were slower
-        # (bench/cache_budget.py --lane-sms 16 8 12 --write-sms 16 6 8, and 8 6 10 x 6 4 8).
+        # takes slows every kernel beside it, not only itself; with both capped, a load and a
+        # write-back share the link instead of taking turns (docs/decisions.md, "The row
+        # cache's SM caps").
         self.overlap = overlap
         self.lane_sms = lane_sms
         self.write_sms = write_sms
@@ -463,10 +455,9 @@ class CachedRows(HostRows):
                                                                     misses])
         # On the lane, as soon as the lookup is done: the victims are chosen and their rows
         # written back while the stage copies the hits and loads the misses, and the step
-        # trains. Forked after the copies, the write-back waited for them (0.19 ms of the v
-        # table's in the main job's step, whose longest stretch is the link's): forked here,
-        # the captured step went from 448 to 469 steps/s (bench/cache_budget.py). The lane's
-        # work reads these (and allocates what it makes): they stay alive until it joins.
+        # trains. Forked after the copies, the write-back waited for them, on the step's longest
+        # stretch, the link's (docs/decisions.md, "The row cache's lane"). The lane's work reads
+        # these (and allocates what it makes): they stay alive until it joins.
         with self._on_lane():
             victims = self._evict(d, at, order, misses)
             self._lane_done = self._lane_event()
