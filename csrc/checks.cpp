@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <atomic>
 #include <initializer_list>
 #include <limits>
@@ -32,6 +33,30 @@ int64_t row_bytes(const at::Tensor& table) {
   int64_t elems = 1;
   for (const auto d : c10::irange(1, table.dim())) elems *= table.size(d);
   return elems * static_cast<int64_t>(table.element_size());
+}
+
+namespace {
+// See serial_bytes() in checks.h and docs/decisions.md, "Serial CPU passes".
+constexpr int64_t kSerialBytes = int64_t{1} << 20;
+std::atomic<int64_t> serial_threshold{kSerialBytes};
+}  // namespace
+
+int64_t serial_bytes() { return serial_threshold.load(std::memory_order_relaxed); }
+
+int64_t set_serial_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "the serial threshold must be >= 0 bytes (0: the default), got ",
+              bytes);
+  return serial_threshold.exchange(bytes == 0 ? kSerialBytes : bytes);
+}
+
+bool is_serial(int64_t n, int64_t item_bytes) {
+  // n * item_bytes < serial_bytes(), without overflow for any n
+  return item_bytes <= 0 || n <= (serial_bytes() - 1) / item_bytes;
+}
+
+int64_t grain_for(int64_t n, int64_t item_bytes, int64_t parallel_grain) {
+  return is_serial(n, item_bytes) ? std::max<int64_t>(n, 1)
+                                  : std::max<int64_t>(parallel_grain, 1);
 }
 
 void check_rows_like(const at::Tensor& rows, const char* name, const at::Tensor& table,
@@ -67,7 +92,8 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
   std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
   AT_DISPATCH_INDEX_TYPES(index.scalar_type(), "check_index_values", [&] {
     const index_t* idx = index.const_data_ptr<index_t>();
-    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    const int64_t grain = grain_for(n, static_cast<int64_t>(sizeof(index_t)), 1 << 14);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t v = idx[i];
         if (v < 0 || v >= rows) {

@@ -2,6 +2,8 @@
 // Kernels register per dispatch key in cpu/*.cpp and cuda/*.cpp; fakes and autograd in ops.py.
 #include <torch/library.h>
 
+#include "speedtorch_ops/checks.h"
+
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
 #include "cuda/deferred.h"
 #include "cuda/hybrid/tuner.h"
@@ -95,6 +97,10 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   m.def("_pin_storage_pieces_(Tensor(a!) self, int piece_bytes, int max_pieces) -> int");
   // Unregister every piece _pin_storage_pieces_ registered in self's storage.
   m.def("_unpin_storage_(Tensor(a!) self) -> ()");
+  // Test hook of the CPU kernels: the bytes of work below which a pass runs on the calling
+  // thread alone, not in a parallel region (0 restores the default); returns the previous
+  // setting. Process-wide.
+  m.def("_set_cpu_serial_bytes(int bytes) -> int", &speedtorch_ops::set_serial_bytes);
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
   // The most SMs the transfer kernels may use (0: no cap, the default), so transfers can run
   // beside training kernels. Process-wide; returns the previous setting.

@@ -307,6 +307,7 @@ class _HostRowsModule(nn.Module):
         self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
                                     device=device)
         self._staged: Optional[_Staged] = None
+        self._spare_at = 0  # the staged rows before the spare ones (see _stage)
         # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
         # the buffer here exists ahead of that step, so the first step leaves it out.
         self._momentum_started = False
@@ -366,11 +367,18 @@ class _HostRowsModule(nn.Module):
         shapes = [t.shape for t in tensors]
         plan = self._plan(tensors)
         buf, d = self.store.stage(plan, spare)
+        # The staged rows the optimizer and the backward see: on the CPU, where the count is
+        # known without a wait, the distinct rows only (the rest would cost the optimizer's
+        # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
+        # rows follow them.
+        self._spare_at = int(d.count) if self.device.type == "cpu" else d.n
+        if self._spare_at < d.n:
+            buf = buf.narrow(1, 0, self._spare_at + spare)
         try:
             self._point_at(buf)
             pad_at, pad_in = self._find_padding(d)
             if self.max_norm is not None:
-                self._renorm(d)
+                self._renorm()
         except BaseException:
             self.store.discard()
             self._point_at(self._no_rows)
@@ -386,18 +394,18 @@ class _HostRowsModule(nn.Module):
     def _find_padding(self, d: Distinct) -> tuple:
         """(the position of the padding row among the distinct ids, whether the step holds
         it), on the device; (None, None) without a padding_idx or ids."""
-        if self.padding_idx is None or d.n == 0:
+        if self.padding_idx is None or self._spare_at == 0:
             return None, None
         key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
         pad = torch.full((1,), self.padding_idx, dtype=torch.int64, device=key.device)
-        at = torch.searchsorted(key, pad).clamp_(max=d.n - 1)
+        at = torch.searchsorted(key, pad).clamp_(max=self._spare_at - 1)
         return at, key[at] == pad
 
     @torch.no_grad()
-    def _renorm(self, d: Distinct) -> None:
+    def _renorm(self) -> None:
         """nn's max_norm: each staged row whose norm exceeds it scaled to max_norm (the rows
         past the distinct ones are never moved, whatever this makes of them)."""
-        rows = self._rows[:d.n]
+        rows = self._rows[:self._spare_at]
         norms = torch.linalg.vector_norm(rows, ord=self.norm_type, dim=1, keepdim=True)
         rows.mul_(torch.where(norms > self.max_norm, self.max_norm / (norms + 1e-7),
                               torch.ones_like(norms)))
@@ -884,7 +892,7 @@ class HostEmbeddingBag(_HostRowsModule):
         plan, d, _ = self._stage((input,), spare)
         index, padding = d.inverse, None
         if self.padding_idx is not None:  # its entries point at the spare row, left out
-            padding = d.n
+            padding = self._spare_at
             index = torch.where(plan.index == self.padding_idx, padding, index)
         index = index.view(input.shape)
         return _pool(self._lookup_rows(index), index, bag, self.mode, self.include_last_offset,

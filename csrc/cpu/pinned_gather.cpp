@@ -24,10 +24,11 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
     const auto read_ahead = [&](int64_t i, int64_t end) {
       if (ahead > 0 && i + ahead < end) prefetch_row(row(i + ahead), rb);
     };
+    const int64_t grain = grain_for(n, rb, row_grain(rb));
     // Each output row is written once, so rows split across threads freely (duplicates only
     // read the same source row twice).
     if (for_device && can_stream_out(dst, rb)) {
-      at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           read_ahead(i, end);
           stream_row(dst + i * rb, row(i), rb);
@@ -36,7 +37,7 @@ void gather_rows_cpu(const at::Tensor& table, const at::Tensor& index, at::Tenso
       });
       return;
     }
-    at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       copy_rows_cpu(dst, src, rb, begin, end, [&](int64_t i) {
         read_ahead(i, end);
         return std::pair<int64_t, int64_t>{i, idx[i]};

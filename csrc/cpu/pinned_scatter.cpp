@@ -62,9 +62,7 @@ class OwnerOf {
 template <typename index_t>
 static Owned bucket_by_owner(const index_t* idx, int64_t n, int64_t rows, int64_t row_bytes) {
   Owned o;
-  o.parts = n * std::max<int64_t>(row_bytes, 1) < (int64_t{256} << 10)
-                ? 1
-                : std::min<int64_t>(at::get_num_threads(), rows);
+  o.parts = is_serial(n, row_bytes) ? 1 : std::min<int64_t>(at::get_num_threads(), rows);
   if (o.parts <= 1) return o;
   const int64_t parts = o.parts;
   const OwnerOf owner_of(parts, rows);

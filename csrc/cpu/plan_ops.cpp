@@ -12,14 +12,85 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
+#include <vector>
 
 namespace speedtorch_ops {
 namespace {
 
+// The widest digit of the radix sort below: 2^11 counters (16 KiB) stay in the L1 cache.
+constexpr int kRadixBits = 11;
+
+// (keys sorted ascending, stably; the position of each) of 1-D int64 keys. Up to a pass's
+// serial size (serial_bytes(): a key and its position a pass, read and written), a radix sort
+// on the calling thread, a pass per 11 bits of the largest key or fewer (two passes for a
+// table of up to 4 M rows), where at::sort compares (below 32 k keys: O(n log n)) or sorts
+// every byte on all threads (from 32 k keys: parallel regions that join the threads several
+// times). Larger inputs, and keys below zero (trusted never to come; sorted all the same), go
+// to at::sort. See docs/decisions.md, "The CPU sort of a step's ids".
+std::tuple<at::Tensor, at::Tensor> stable_sort_ids(const at::Tensor& keys_in) {
+  const auto keys = keys_in.contiguous();
+  const int64_t n = keys.numel();
+  if (!is_serial(n, 2 * static_cast<int64_t>(sizeof(int64_t)))) {
+    return at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  }
+  const int64_t* in = keys.const_data_ptr<int64_t>();
+  int64_t lo = 0, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, in[i]);
+    hi = std::max(hi, in[i]);
+  }
+  if (lo < 0) return at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto sorted = at::empty({n}, keys.options());
+  auto perm = at::empty({n}, keys.options());
+  int64_t* out_k = sorted.mutable_data_ptr<int64_t>();
+  int64_t* out_p = perm.mutable_data_ptr<int64_t>();
+  const int bits = hi == 0 ? 0 : 64 - __builtin_clzll(static_cast<uint64_t>(hi));
+  if (bits == 0) {  // every key is zero: already sorted
+    std::fill(out_k, out_k + n, 0);
+    for (int64_t i = 0; i < n; ++i) out_p[i] = i;
+    return {sorted, perm};
+  }
+  const int passes = (bits + kRadixBits - 1) / kRadixBits;
+  const int digit = (bits + passes - 1) / passes;  // even digits: fewer counters per pass
+  const uint64_t mask = (uint64_t{1} << digit) - 1;
+  std::vector<int64_t> start(size_t{1} << digit);
+  // Passes alternate between the outputs and scratch, so that the last lands in the outputs.
+  std::unique_ptr<int64_t[]> tmp_k, tmp_p;
+  if (passes > 1) {
+    tmp_k.reset(new int64_t[n]);
+    tmp_p.reset(new int64_t[n]);
+  }
+  const int64_t* src_k = in;
+  const int64_t* src_p = nullptr;  // the first pass reads positions 0, 1, ...
+  for (int pass = 0; pass < passes; ++pass) {
+    const bool to_out = (passes - 1 - pass) % 2 == 0;
+    int64_t* dst_k = to_out ? out_k : tmp_k.get();
+    int64_t* dst_p = to_out ? out_p : tmp_p.get();
+    const int shift = pass * digit;
+    std::fill(start.begin(), start.end(), 0);
+    for (int64_t i = 0; i < n; ++i) ++start[(static_cast<uint64_t>(src_k[i]) >> shift) & mask];
+    int64_t total = 0;
+    for (auto& s : start) {
+      const int64_t c = s;
+      s = total;
+      total += c;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t to = start[(static_cast<uint64_t>(src_k[i]) >> shift) & mask]++;
+      dst_k[to] = src_k[i];
+      dst_p[to] = src_p != nullptr ? src_p[i] : i;
+    }
+    src_k = dst_k;
+    src_p = dst_p;
+  }
+  return {sorted, perm};
+}
+
 std::tuple<at::Tensor, at::Tensor> sort_ids_cpu(const at::Tensor& keys, int64_t bound) {
   check_sort_ids_args(keys, "keys", bound);
-  return at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  return stable_sort_ids(keys);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& index,
@@ -27,8 +98,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& in
   check_sort_ids_args(index, "index", bound);
   check_items(index, "index");
   const int64_t n = index.numel();
-  auto [sorted, perm] = at::sort(index, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  auto ids = at::zeros({n}, index.options());
+  auto [sorted, perm] = stable_sort_ids(index);
+  auto ids = at::empty({n}, index.options());
   auto inverse = at::empty({n}, index.options());
   auto count = at::empty({1}, index.options());
   const int64_t* s = sorted.const_data_ptr<int64_t>();
@@ -40,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& in
     if (i == 0 || s[i] != s[i - 1]) out[++r] = s[i];
     inv[p[i]] = r;
   }
-  count.fill_(r + 1);
+  std::fill(out + (r + 1), out + n, 0);  // on this thread: a zeros() of a large n is a region
+  *count.mutable_data_ptr<int64_t>() = r + 1;
   return {ids, inverse, count};
 }
 
@@ -177,7 +249,7 @@ void move_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& ind
   auto* out = static_cast<char*>(dst.mutable_data_ptr());
   const auto* in = static_cast<const char*>(src.const_data_ptr());
   const int64_t* idx = index.const_data_ptr<int64_t>();
-  at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_for(n, row * parts, 2048), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t j = idx[i];
       if (j < 0 || j >= slots) continue;  // -1, or past the rows (a miss): nothing moves

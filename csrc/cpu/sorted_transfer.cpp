@@ -39,11 +39,16 @@ void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tens
   char* t = static_cast<char*>(table.mutable_data_ptr());
   std::vector<char*> p;
   for (const auto& part : parts) p.push_back(static_cast<char*>(part.mutable_data_ptr()));
+  // The rows of a table larger than the caches are asked for ahead of their copy (row_copy.h,
+  // prefetch_ahead): the next rows' misses overlap this row's copy (docs/decisions.md,
+  // "Read-ahead in the CPU sorted transfer").
+  const int64_t ahead = prefetch_ahead(rb, static_cast<int64_t>(table.nbytes()));
   // Load: slots is a sort's permutation, so each batch row is written once (a repeated slot
   // would get one of its rows, unspecified which). Write-back: the last position of each run
   // writes its row, one writer per table row (sorted). Either way positions split freely.
-  at::parallel_for(0, n, row_grain(rb), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain_for(n, rb, row_grain(rb)), [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
+      if (ahead > 0 && j + ahead < end) prefetch_row(t + r[j + ahead] * rb, rb);
       if (!load && j + 1 < n && r[j + 1] == r[j]) continue;
       for (size_t k = 0; k < p.size(); ++k) {
         char* row = t + r[j] * rb + static_cast<int64_t>(k) * pb;

@@ -48,6 +48,7 @@ join); a prefetch between steps is joined by the next stage.
 from __future__ import annotations
 
 import functools
+import math
 from enum import IntEnum
 from typing import NamedTuple, Optional
 
@@ -181,6 +182,7 @@ class HostRows:
         self.parts = host.shape[1]
         self.row_shape = tuple(host.shape[2:])
         self._staged: Optional[Staged] = None
+        self._kept: Optional[Tensor] = None  # a CPU store's stage buffer (_stage_buffer)
         self.stats = torch.zeros(len(Stat), dtype=torch.int64, device=self.device)  # see Stat
         self._carry: Optional[Carry] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -195,6 +197,22 @@ class HostRows:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
                            device=self.device)
 
+    def _stage_buffer(self, n: int) -> Tensor:
+        """A stage's buffer of `n` rows. On the CPU the store keeps one from stage to stage,
+        grown to the largest stage yet (zeros when new): a fresh buffer each step took pages
+        the allocator had handed back, faulted in again every step, and its rows past the
+        distinct ones held what freed tensors had left there (ids read as floats are denormal
+        numbers, slow for the optimizer's arithmetic over the whole buffer); the kept one holds
+        earlier steps' rows there (docs/decisions.md, "A CPU store's kept stage buffer")."""
+        if self.device.type != "cpu":
+            return self._buffer(n)
+        size = self.parts * n * math.prod(self.row_shape)
+        if self._kept is None or self._kept.numel() < size:
+            # A quarter to spare: a batch's distinct count moves a little from step to step.
+            grown = size if self._kept is None else max(size, self._kept.numel() * 5 // 4)
+            self._kept = torch.zeros(grown, dtype=self.host.dtype)
+        return self._kept[:size].view(self.parts, n, *self.row_shape)
+
     def _move(self, parts, rows: Tensor, slots: Tensor, count: Tensor, load: bool,
               sms: int = 0) -> None:
         ops._sorted_transfer(self.host, parts, rows, slots, load, count=count,
@@ -205,9 +223,10 @@ class HostRows:
         """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
         Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
         optimizer that reduces over the whole buffer would see them); ``spare`` rows past the
-        plan's are the caller's (a bag's padding entries point there)."""
+        plan's are the caller's (a bag's padding entries point there). On the CPU the buffer is
+        the store's own, and the next stage reuses it (``_stage_buffer``)."""
         d = self._begin_stage(plan)
-        buf = self._buffer(d.n + spare)
+        buf = self._stage_buffer(d.n + spare)
         carried = self._take_carry(buf, d, d.valid)
         if carried is None:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)

@@ -35,6 +35,22 @@ void check_index_values(const at::Tensor& index, int64_t rows, const char* name)
 // Bytes of one row (product of the trailing dims times the element size).
 int64_t row_bytes(const at::Tensor& table);
 
+// How the CPU kernels split a pass over their items (rows to copy, index entries to check):
+// a pass whose items' bytes come to less than serial_bytes() runs on the calling thread alone,
+// a larger one is one parallel region. A region wakes every thread and joins them; for small
+// passes that costs more than the threads save, and while another process keeps one core busy
+// the join waits for that core's thread to be scheduled again, far longer than the pass.
+// The threshold's choice: docs/decisions.md, "Serial CPU passes".
+int64_t serial_bytes();
+// Test hook (_set_cpu_serial_bytes): the threshold from now on (0: the default); returns the
+// previous one. 1 makes every pass of more than one item parallel; a huge value, none.
+int64_t set_serial_bytes(int64_t bytes);
+// Whether `n` items of `item_bytes` each come to less than serial_bytes().
+bool is_serial(int64_t n, int64_t item_bytes);
+// at::parallel_for's grain for a pass over `n` items of `item_bytes` each: `n` itself (so the
+// pass runs on the calling thread) when is_serial, else `parallel_grain`.
+int64_t grain_for(int64_t n, int64_t item_bytes, int64_t parallel_grain);
+
 // The ops' bounds_check argument. Every mode writes nothing for a bad index; they differ in
 // whether and when a call raises for one.
 //   kDeferred (the default): CUDA indices are checked on the device and the call does not wait;
