@@ -43,9 +43,26 @@ from .training.plan import Plan, host_ids
 
 class CapturedStep:
     """``step(*ids)`` (device id tensors in, tensors out) captured in a CUDA graph; see the
-    module docstring. ``rows[k]``: the number of rows the ``k``-th ids index (checked on the
-    host: a bad id raises before anything is copied or run); it must not exceed the table's
-    size, as the modules trust these ids (``bounds_check="prechecked"``)."""
+    module docstring.
+
+    Args:
+        step: the training step, a function of the step's id tensors (on the GPU, the same
+            shapes every call) returning tensors; GPU work only, no host waits.
+        rows: ``rows[k]``, the number of rows the ``k``-th ids index (checked on the host: a
+            bad id raises before anything is copied or run); it must not exceed the table's
+            size, as the modules trust these ids (``bounds_check="prechecked"``).
+        device: the GPU (default: the current one).
+        warmup: eager calls before the capture (at least 1).
+
+    Returns (a call ``captured(*ids)``, ids as NumPy arrays or tensors on any device): the
+    step's outputs, the graph's own tensors (overwritten by the next call: clone to keep).
+
+    Example::
+
+        captured = CapturedStep(train_step, rows=(V,))
+        for ids in batches:
+            loss = captured(ids)
+    """
 
     def __init__(self, step: Callable, rows: Sequence[int], device=None, warmup: int = 3):
         if not torch.cuda.is_available():

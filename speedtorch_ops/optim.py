@@ -24,7 +24,18 @@ import torch
 
 
 class RowWiseAdagrad(torch.optim.Optimizer):
-    """Adagrad with one accumulator per row (see the module docstring)."""
+    """Adagrad with one accumulator per row (see the module docstring).
+
+    Args:
+        params: tensors with rows (at least 1-D; the first dimension is the row), dense
+            gradients.
+        lr, eps, weight_decay, initial_accumulator_value: as torch.optim.Adagrad's (all >= 0).
+
+    Example::
+
+        emb = speedtorch_ops.HostEmbedding(4_000_000, 128, optimizer=RowWiseAdagrad,
+                                           optimizer_kwargs={"lr": 0.1})
+    """
 
     # For HostEmbedding: these state entries hold one value per row (the module packs them
     # beside the row's weight instead of giving them a row of their own).

@@ -293,7 +293,22 @@ class _ShardedRows(nn.Module):
 
 class ShardedHostEmbedding(_ShardedRows):
     """``HostEmbedding`` split by rows across a process group (see the module docstring).
-    ``forward(ids, *more_ids)`` (collective): one output ``(*ids.shape, dim)`` per id tensor."""
+    ``forward(ids, *more_ids)`` (collective): one output ``(*ids.shape, dim)`` per id tensor.
+
+    Args:
+        num_embeddings, embedding_dim, dtype, optimizer, optimizer_kwargs, device,
+            cache_bytes: as HostEmbedding's, for the whole table (each rank holds its rows).
+        group: the process group (default: the default group); every member builds the module.
+        grad_scale: the factor of the summed gradients of a row (1: one process on the
+            concatenated batches with the summed loss; 1 / world: DDP's average).
+        route_group: a gloo group over the same ranks for the counts and ids (made for you on
+            NCCL).
+
+    Example::
+
+        emb = ShardedHostEmbedding(10_000_000, 128, optimizer=torch.optim.Adam, group=g)
+        out = emb(local_ids); out.sum().backward(); emb.step()   # collective
+    """
 
     def _route_args(self, ids, *more_ids) -> tuple:
         # HostEmbedding's split needs only embedding_dim, which this class has.
