@@ -62,6 +62,7 @@ from .training.placement import allocate, resolve_dtype, upload
 from .training.plan import Plan, check_bounds_mode
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STARTED = "momentum_started"  # the module's own optimizer state: SGD's first step has run
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -309,8 +310,10 @@ class _HostRowsModule(nn.Module):
         self._staged: Optional[_Staged] = None
         self._spare_at = 0  # the staged rows before the spare ones (see _stage)
         # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
-        # the buffer here exists ahead of that step, so the first step leaves it out.
-        self._momentum_started = False
+        # the buffer here exists ahead of that step, so the first step leaves it out. Whether
+        # it ran is state (a 0-dim CPU tensor): checkpoints carry it, in-place loads too.
+        if isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
+            self.optimizer.state[self._rows][_STARTED] = torch.zeros((), dtype=torch.int64)
         # state_dict's tensors of the optimizer's Python scalars: key -> (tensor, value given)
         self._scalar_views: dict = {}
 
@@ -505,23 +508,26 @@ class _HostRowsModule(nn.Module):
 
     def _optimizer_step(self, buf: Tensor) -> None:
         """The optimizer's step on the staged rows, as torch's first step would run it."""
-        group = self.optimizer.param_groups[0]
-        first = (isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0
-                 and not self._momentum_started)
         state = self.optimizer.state[self._rows]
-        if first:  # torch's first step sets the buffer to the gradient
-            del state["momentum_buffer"]
-        self.optimizer.step()
-        if first:
-            self.layout.of_staged(buf, "momentum_buffer").copy_(state["momentum_buffer"])
-            state["momentum_buffer"] = self.layout.of_staged(buf, "momentum_buffer")
-            self._momentum_started = True
+        started = state.get(_STARTED)
+        if started is None or bool(started) or self._rows.grad is None:
+            self.optimizer.step()
+            return
+        # torch's first step sets the buffer to the gradient: the optimizer sees none.
+        view = state.pop("momentum_buffer")
+        try:
+            self.optimizer.step()
+            view.copy_(state["momentum_buffer"])
+        finally:
+            state["momentum_buffer"] = view
+        started.fill_(1)
 
     def _check_capturable(self) -> None:
         """A captured step replays GPU work only: state the optimizer keeps on the CPU (a step
         count) would change at the capture and never again."""
         state = self.optimizer.state[self._rows]
-        on_host = [k for k, v in state.items() if isinstance(v, Tensor) and v.device.type == "cpu"]
+        on_host = [k for k, v in state.items()
+                   if isinstance(v, Tensor) and v.device.type == "cpu" and k != _STARTED]
         if on_host:
             raise RuntimeError(f"optimizer: {type(self.optimizer).__name__} keeps {on_host} on "
                                "the CPU, which a CUDA graph cannot update; build it with "
@@ -571,7 +577,6 @@ class _HostRowsModule(nn.Module):
         state = self.optimizer.state[self._rows]
         scalars = {k: v for k, v in state.items() if k not in self.state_keys}
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        started = self._momentum_started
         self._build(dtype, device)
         self.optimizer.param_groups[0].update(group)
         with torch.no_grad():
@@ -583,7 +588,6 @@ class _HostRowsModule(nn.Module):
                 state[key].copy_(value)
             else:
                 state[key] = value
-        self._momentum_started = started
 
     # ---- inspection and checkpoints --------------------------------------------------------
 
@@ -681,21 +685,22 @@ class _HostRowsModule(nn.Module):
         tables = {"weight": self._table("weight")}
         tables.update({f"optimizer.{key}": self._table(key) for key in self.state_keys})
         scalars = [key for key in state if key not in self.state_keys]
-        expected = list(tables) + [f"optimizer.{key}" for key in scalars]
+        expected = list(tables) + [f"optimizer.{key}" for key in scalars if key != _STARTED]
+        if _STARTED in state and prefix + f"optimizer.{_STARTED}" in state_dict:
+            expected.append(f"optimizer.{_STARTED}")  # optional: older checkpoints lack it
         # Only this module's keys: missing_keys and error_msgs are the whole model's, and nn
         # passes strict=True here whatever the caller asked (it judges strict itself).
         present = [name for name in expected if prefix + name in state_dict]
         missing_keys.extend(prefix + name for name in expected if name not in present)
-        for key in state_dict:
-            rest = key[len(prefix):]
-            if key.startswith(prefix) and rest not in expected and (
-                    rest == "weight" or rest.startswith("optimizer.")):
+        for key in state_dict:  # the module has no children: every key under prefix is its own
+            if key.startswith(prefix) and key[len(prefix):] not in expected:
                 unexpected_keys.append(key)
         errors = []
         for name in present:
             value = state_dict[prefix + name]
             shape = tuple(tables[name].shape) if name in tables else ()
             if not isinstance(value, (Tensor, int, float)) or (
+                    name in tables and not isinstance(value, Tensor)) or (
                     isinstance(value, Tensor) and (tuple(value.shape) != shape
                                                    and not (shape == () and value.numel() == 1))):
                 got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -731,8 +736,9 @@ class _HostRowsModule(nn.Module):
                 else:
                     state[key] = type(old)(value.item() if isinstance(value, Tensor) else value)
                     self._scalar_views.pop(key, None)
-        if "optimizer.momentum_buffer" in present:
-            self._momentum_started = True
+        if _STARTED in state and f"optimizer.{_STARTED}" not in present and \
+                "optimizer.momentum_buffer" in present:
+            state[_STARTED].fill_(1)  # a checkpoint from before the flag: a buffer means started
 
     def _fqn_modifiers(self) -> dict:
         """For torch.distributed.checkpoint's state-dict helpers, which walk each key's dotted
@@ -919,18 +925,36 @@ class HostEmbeddingBag(_HostRowsModule):
         return cls._pretrained(embeddings, freeze, kwargs)
 
 
+def _tables(model: nn.Module) -> tuple:
+    """(the modules of `model`, itself included, whose tables live in host memory; the sharded
+    ones among those, each counted whole and its own shard left out)."""
+    single, sharded = [], []
+    shards = set()
+    for m in model.modules():
+        if hasattr(m, "shard") and isinstance(m.shard, _HostRowsModule):
+            sharded.append(m)
+            shards.add(id(m.shard))
+    for m in model.modules():
+        if isinstance(m, _HostRowsModule) and id(m) not in shards:
+            single.append(m)
+    return single, sharded
+
+
 def host_modules(model: nn.Module) -> Iterator[_HostRowsModule]:
-    """The modules of `model` (itself included) whose tables live in host memory."""
-    return (m for m in model.modules() if isinstance(m, _HostRowsModule))
+    """The single-process modules of `model` (itself included) whose tables live in host
+    memory."""
+    return iter(_tables(model)[0])
 
 
 def count_parameters(model: nn.Module, trainable: bool = False) -> int:
     """`model`'s parameter count with its host tables included (nn's ``parameters()`` does not
-    see them: they are not nn.Parameters). ``trainable``: only parameters that require grad
-    and tables that are not frozen."""
+    see them: they are not nn.Parameters; a sharded table counts whole). ``trainable``: only
+    parameters that require grad and tables that are not frozen (``requires_grad_(False)``
+    called on the table module itself: nn's, called on a parent, walks only parameters)."""
+    single, sharded = _tables(model)
     dense = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
-    return dense + sum(m.num_parameters() for m in host_modules(model)
-                       if not (trainable and m.frozen))
+    return (dense + sum(m.num_parameters() for m in single if not (trainable and m.frozen))
+            + sum(m.num_parameters() for m in sharded))
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -939,7 +963,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     gradients (call it between backward and the tables' ``step()``): the total norm counts
     each touched row once with its summed gradient, as the whole table's gradient would, and
     the clipping scales what ``step()`` applies. Returns the total norm."""
+    single, sharded = _tables(model)
+    if sharded:
+        raise ValueError("clip_grad_norm_: a sharded table's gradients reach their owners only "
+                         "in its step(), after which clipping is too late; clip the dense "
+                         "parameters alone (torch.nn.utils.clip_grad_norm_)")
     params = list(model.parameters())
-    for m in host_modules(model):
+    for m in single:
         params.extend(m.step_parameters())
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, **kwargs)

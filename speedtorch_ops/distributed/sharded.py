@@ -166,12 +166,25 @@ class _ShardedRows(nn.Module):
                                                        freeze=False, **kwargs)
         else:
             self.shard = HostEmbedding(self.local_rows + 1, embedding_dim, **kwargs)
-        self.dtype, self.device = self.shard.dtype, self.shard.device
         self._pad = torch.tensor([self.local_rows], dtype=torch.int64)
         self._pending: Optional[_RoutedStep] = None
         self.timer: Optional[PhaseTimes] = None  # set for a profiling run (bench/sharded.py)
         self.steps = 0
         self._name = "ids"  # in errors; a collection names its tables
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The table's dtype (the shard's: conversions such as ``.double()`` reach it)."""
+        return self.shard.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows are staged (the shard's)."""
+        return self.shard.device
+
+    def num_parameters(self) -> int:
+        """The whole table's weights (rows x dim, over every rank)."""
+        return self.num_embeddings * self.embedding_dim
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -495,3 +495,60 @@ def test_captured_bag_steps_with_padding_train_like_eager(mode, slots, gen):
     for key, value in bag_e.state_dict().items():
         assert torch.allclose(bag_g.state_dict()[key].to(value.device), value, rtol=1e-10,
                               atol=1e-12), key
+
+
+def test_sgd_first_step_state_travels_with_checkpoints(gen, tmp_path):
+    """Whether SGD's first step ran is state: an in-place load resumes exactly, and a checkpoint
+    taken before any step still takes the first step undamped (as torch would)."""
+    kwargs = {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}
+    init = _init(gen)
+    batches = [_ids(gen, (9,)) for _ in range(4)]
+
+    def make():
+        return so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=torch.optim.SGD,
+                                                optimizer_kwargs=kwargs, device="cpu")
+
+    def train(mod, ids_list):
+        for ids in ids_list:
+            mod(ids).pow(2).sum().backward()
+            mod.step()
+
+    whole, part = make(), make()
+    train(whole, batches)
+    train(part, batches[:2])
+    so.io.save_safetensors(part.state_dict(), tmp_path / "part.safetensors")
+    resumed = make()
+    so.io.load_safetensors(tmp_path / "part.safetensors", out=resumed.state_dict())
+    train(resumed, batches[2:])
+    assert torch.equal(resumed.weight, whole.weight)
+
+    early = make().state_dict()  # before any step
+    fresh, reloaded = make(), make()
+    reloaded.load_state_dict({k: v.clone() for k, v in early.items()})
+    train(fresh, batches[:2])
+    train(reloaded, batches[:2])
+    assert torch.equal(fresh.weight, reloaded.weight)
+
+
+def test_sgd_momentum_step_without_backward_changes_nothing():
+    emb = so.HostEmbedding(10, 3, dtype=torch.float64, optimizer=torch.optim.SGD,
+                           optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, device="cpu")
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    emb(torch.tensor([1, 2]))
+    emb.step()  # no backward: torch's SGD skips a parameter without a gradient
+    for key, value in emb.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.step()
+    assert not torch.equal(emb.weight, before["weight"])
+
+
+def test_load_state_dict_reports_stray_keys_and_refuses_non_tensor_tables():
+    emb = so.HostEmbedding(10, 3, optimizer=torch.optim.Adam, device="cpu")
+    sd = {k: v.clone() for k, v in emb.state_dict().items()}
+    with pytest.raises(RuntimeError, match="Unexpected key.*bogus"):
+        emb.load_state_dict({**sd, "bogus": torch.zeros(1)})
+    before = emb.weight.clone()
+    with pytest.raises(RuntimeError, match="optimizer.exp_avg"):
+        emb.load_state_dict({**sd, "optimizer.exp_avg": 5})
+    assert torch.equal(emb.weight, before)
