@@ -45,10 +45,10 @@ compiles).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
-import warnings
 
 import numpy as np
 import torch
@@ -59,11 +59,10 @@ from .memory import fill_random_
 from .training import optim_state
 from .training.cache import CachedRows, Distinct, HostRows, Stat
 from .training.placement import allocate, resolve_dtype, upload
-from .training.plan import Plan, check_bounds_mode
+from .training.plan import _INTEGER, Plan, check_bounds_mode
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STARTED = "momentum_started"  # the module's own optimizer state: SGD's first step has run
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _default_device() -> torch.device:
@@ -135,9 +134,6 @@ class _BagInput:
     2-D input) and ``weights`` (per-sample weights in the table's dtype, or None)."""
     offsets: Optional[Tensor]
     weights: Optional[Tensor]
-
-
-_INTEGER = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _bag_input(input: Tensor, offsets, per_sample_weights, mode: str, include_last_offset: bool,
@@ -685,9 +681,9 @@ class _HostRowsModule(nn.Module):
         tables = {"weight": self._table("weight")}
         tables.update({f"optimizer.{key}": self._table(key) for key in self.state_keys})
         scalars = [key for key in state if key not in self.state_keys]
-        expected = list(tables) + [f"optimizer.{key}" for key in scalars if key != _STARTED]
-        if _STARTED in state and prefix + f"optimizer.{_STARTED}" in state_dict:
-            expected.append(f"optimizer.{_STARTED}")  # optional: older checkpoints lack it
+        # _STARTED is optional: checkpoints from before it lack it.
+        expected = list(tables) + [f"optimizer.{key}" for key in scalars if key != _STARTED
+                                   or prefix + f"optimizer.{key}" in state_dict]
         # Only this module's keys: missing_keys and error_msgs are the whole model's, and nn
         # passes strict=True here whatever the caller asked (it judges strict itself).
         present = [name for name in expected if prefix + name in state_dict]
@@ -928,15 +924,11 @@ class HostEmbeddingBag(_HostRowsModule):
 def _tables(model: nn.Module) -> tuple:
     """(the modules of `model`, itself included, whose tables live in host memory; the sharded
     ones among those, each counted whole and its own shard left out)."""
-    single, sharded = [], []
-    shards = set()
-    for m in model.modules():
-        if hasattr(m, "shard") and isinstance(m.shard, _HostRowsModule):
-            sharded.append(m)
-            shards.add(id(m.shard))
-    for m in model.modules():
-        if isinstance(m, _HostRowsModule) and id(m) not in shards:
-            single.append(m)
+    sharded = [m for m in model.modules()
+               if isinstance(getattr(m, "shard", None), _HostRowsModule)]
+    shards = {id(m.shard) for m in sharded}
+    single = [m for m in model.modules()
+              if isinstance(m, _HostRowsModule) and id(m) not in shards]
     return single, sharded
 
 
