@@ -381,4 +381,58 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
   TORCH_CHECK(period >= 1, "period must be at least 1 (steps between halvings), got ", period);
 }
 
+int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                const at::Tensor& count, const c10::optional<at::Tensor>& step,
+                                int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
+                                c10::ArrayRef<int64_t> state_parts) {
+  TORCH_CHECK(rule >= 0 && rule <= 4, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
+              "3 (Adam) or 4 (AdamW), got ", rule);
+  TORCH_CHECK(buf.dim() == 3, "buf must be (parts, rows, width), got shape ", buf.sizes());
+  check_rows_layout(buf, "buf");
+  const auto dtype = buf.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
+              "buf must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (rows, dim) "
+              "tensor, got shape ", grad.sizes());
+  TORCH_CHECK(grad.scalar_type() == dtype, "grad must have buf's dtype ", dtype, ", got ",
+              grad.scalar_type());
+  check_same_device(grad, "grad", buf, "buf");
+  TORCH_CHECK(grad.size(0) == buf.size(1), "grad must have buf's ", buf.size(1), " rows, got ",
+              grad.size(0));
+  const int64_t dim = grad.size(1), width = buf.size(2);
+  const bool rowwise = rule == 2;
+  TORCH_CHECK(rowwise ? dim < width : dim <= width, "grad's dim (", dim, ") must be at most buf's "
+              "width (", width, rowwise ? ") less one (the row-wise accumulator's column)" : ")");
+  check_one_int64(count, "count", buf, "buf");
+  TORCH_CHECK(hyper.size() == 5, "hyper must hold 5 values (lr, weight_decay, a, b, eps), got ",
+              hyper.size());
+  TORCH_CHECK(flags >= 0 && flags < 16, "flags must be a combination of 1 (maximize), 2 "
+              "(nesterov), 4 (amsgrad) and 8 (first step), got ", flags);
+  TORCH_CHECK(state_parts.size() <= 3, "state_parts must name at most 3 parts, got ",
+              state_parts.size());
+  for (size_t k = 0; k < state_parts.size(); ++k) {
+    TORCH_CHECK(state_parts[k] >= 1 && state_parts[k] < buf.size(0), "state_parts[", k,
+                "] must be a part of buf in [1, ", buf.size(0), "), got ", state_parts[k]);
+    for (size_t j = 0; j < k; ++j) {
+      TORCH_CHECK(state_parts[j] != state_parts[k], "state_parts must be distinct, got ",
+                  state_parts[k], " twice");
+    }
+  }
+  const bool counts_steps = rule == 1 || rule == 3 || rule == 4;
+  TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
+              " (the step count after this step's increment)");
+  if (step.has_value()) {
+    const auto& s = *step;
+    TORCH_CHECK(s.numel() == 1 && (s.scalar_type() == at::kFloat ||
+                                   s.scalar_type() == at::kDouble),
+                "step must be one float32 or float64, got ", s.scalar_type(), " of shape ",
+                s.sizes());
+    TORCH_CHECK(s.device().is_cpu() || s.device() == buf.device(), "step must be on the CPU or "
+                "buf's device ", buf.device(), ", got ", s.device());
+  }
+  check_no_overlap(buf, "buf", grad, "grad");
+  return rule;
+}
+
 }  // namespace speedtorch_ops

@@ -88,6 +88,17 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // age += 1; when age reaches a multiple of period, every freq halves (LFU aging decided on
   // the device, so a captured step ages too).
   m.def("_age_frequencies(Tensor(a!) freq, Tensor(b!) age, int period) -> ()");
+  // One optimizer step on a step's staged rows (private, for the modules; rules.h has each
+  // rule's formula, torch's own): buf (parts, n, width) holds each row's weight (part 0,
+  // columns [0, dim)) and state (per element: the parts state_parts names, in the rule's order;
+  // RowWiseAdagrad's accumulator: part 0, column dim), grad (n, dim) its gradient; rows
+  // r < count (one int64 on buf's device) update in place, the others are not touched. rule:
+  // 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW; hyper (lr, weight_decay, a, b, eps)
+  // with a, b = momentum, dampening (SGD), lr_decay, - (Adagrad), beta1, beta2 (Adam); flags:
+  // 1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step; step the step count after this
+  // step's increment (Adagrad, Adam), read on the device when it lives there.
+  m.def("_fused_row_update(Tensor(a!) buf, Tensor grad, Tensor count, Tensor? step, int rule, "
+        "float[] hyper, int flags, int[] state_parts) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

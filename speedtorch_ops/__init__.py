@@ -22,6 +22,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from .modules import HostEmbedding, HostEmbeddingBag, clip_grad_norm_, count_parameters
 from .capture import CapturedStep
+from .collection import HostEmbeddingBagCollection, HostEmbeddingCollection, TableConfig
+from .jagged import KeyedJaggedTensor
 from . import optim
 from .optim import RowWiseAdagrad
 from . import io
@@ -58,6 +60,10 @@ __all__ = [
     "count_parameters",
     "clip_grad_norm_",
     "CapturedStep",
+    "HostEmbeddingBagCollection",
+    "HostEmbeddingCollection",
+    "TableConfig",
+    "KeyedJaggedTensor",
     "optim",
     "RowWiseAdagrad",
     *compat.__all__,  # the SpeedTorch-compatible classes and colocate

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from .memory import fill_random_
 from .training import optim_state
 from .training.cache import CachedRows, Distinct, HostRows, Stat
+from .training.fused import FusedUpdate
 from .training.placement import allocate, resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
 
@@ -288,6 +289,7 @@ class _HostRowsModule(nn.Module):
         self._rows = torch.zeros((0, self.embedding_dim), dtype=dtype,
                                  device=device).requires_grad_()
         self.optimizer = self._optimizer_cls([self._rows], **self._optimizer_kwargs)
+        self._fused = FusedUpdate.of(self.optimizer)
         group = self.optimizer.param_groups[0]
         self._fills, scalars = optim_state.state_layout(self.optimizer, group)
         optim_state.init_state(self.optimizer, self._rows, group, self._fills, scalars)
@@ -490,7 +492,7 @@ class _HostRowsModule(nn.Module):
         pad = None
         if staged.pad_at is not None:  # the padding row never updates: kept as staged
             pad = staged.buf.index_select(1, staged.pad_at)
-        self._optimizer_step(staged.buf)
+        self._optimizer_step(staged)
         if pad is not None:
             now = staged.buf.index_select(1, staged.pad_at)
             staged.buf.index_copy_(1, staged.pad_at,
@@ -502,11 +504,21 @@ class _HostRowsModule(nn.Module):
         self._point_at(self._no_rows)
         self.steps += 1
 
-    def _optimizer_step(self, buf: Tensor) -> None:
-        """The optimizer's step on the staged rows, as torch's first step would run it."""
+    def _optimizer_step(self, staged: _Staged) -> None:
+        """The optimizer's step on the staged rows, as torch's step would run it: in one fused
+        kernel for the optimizers that have one (``fused``), else by torch's optimizer (its
+        first SGD step as torch's first step runs)."""
         state = self.optimizer.state[self._rows]
         started = state.get(_STARTED)
-        if started is None or bool(started) or self._rows.grad is None:
+        first = started is not None and not bool(started)
+        grad = self._rows.grad
+        if self.fused and grad is not None and not grad.is_sparse and self._fused.step(
+                self.optimizer, self._rows, staged.buf, staged.distinct.count, self.layout,
+                first_step=first):
+            if first:
+                started.fill_(1)
+            return
+        if not first or grad is None:
             self.optimizer.step()
             return
         # torch's first step sets the buffer to the gradient: the optimizer sees none.
@@ -517,6 +529,16 @@ class _HostRowsModule(nn.Module):
         finally:
             state["momentum_buffer"] = view
         started.fill_(1)
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``step()`` updates the rows in one fused kernel (SGD, Adagrad, Adam, AdamW
+        and RowWiseAdagrad with host-number hyper-parameters, and ``fused_update`` on) rather
+        than by torch's optimizer. Both give torch's formula."""
+        return self.fused_update and self._fused is not None
+
+    # Set False to run torch's own optimizer step even where a fused rule exists.
+    fused_update = True
 
     def _check_capturable(self) -> None:
         """A captured step replays GPU work only: state the optimizer keeps on the CPU (a step
@@ -819,7 +841,9 @@ class HostEmbedding(_HostRowsModule):
     def forward(self, input, *more_input):
         plan, d, shapes = self._stage((input, *more_input))
         pad_at = self._staged.pad_at if self._staged is not None else None
-        rows = self._lookup_rows(d.inverse, pad_at).index_select(0, d.inverse)
+        # embedding's backward sums each row's gradients over its sorted positions (no atomics
+        # on a hot row's), where index_select's adds them one by one.
+        rows = F.embedding(d.inverse, self._lookup_rows(d.inverse, pad_at))
         return self._outputs(rows, shapes)
 
     def _outputs(self, rows: Tensor, shapes: list):

@@ -194,6 +194,19 @@ def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
     _ops._age_frequencies.default(freq, age, period)
 
 
+def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[Tensor],
+                      rule: int, hyper: Sequence[float], flags: int,
+                      state_parts: Sequence[int]) -> None:
+    """One optimizer step, in place, on the first ``count`` (one int64 on buf's device) staged
+    rows of ``buf`` (parts, n, width) with their gradient ``grad`` (n, dim): torch's formula of
+    ``rule`` (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW) with ``hyper`` (lr,
+    weight_decay, a, b, eps) and ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first
+    step), the per-element state in the parts ``state_parts``; ``step`` the step count after
+    this step's increment (Adagrad, Adam, AdamW). Math in float32 (float64 for float64 rows)."""
+    _ops._fused_row_update.default(buf, grad, count, step, rule, [float(v) for v in hyper],
+                                   flags, list(state_parts))
+
+
 def set_transfer_sm_limit(sms: int) -> int:
     """Cap the SMs the CUDA transfer kernels use (one 1024-thread block per allowed SM), so
     transfers can overlap with training kernels; 0 (the default) removes the cap. Process-wide.
@@ -360,6 +373,12 @@ def _put_rows_fake(dst, src, index, count) -> None:
 @torch.library.register_fake("speedtorch_ops::_age_frequencies")
 def _age_frequencies_fake(freq, age, period: int) -> None:
     torch._check(period >= 1, lambda: f"period must be at least 1, got {period}")
+
+
+@torch.library.register_fake("speedtorch_ops::_fused_row_update")
+def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, state_parts) -> None:
+    torch._check(buf.dim() == 3 and grad.dim() == 2 and grad.shape[0] == buf.shape[1],
+                 lambda: "grad must have buf's rows")
 
 
 # ---- autograd: pinned_gather is index_select, so its gradient is an index_add ----------------

@@ -11,21 +11,6 @@
 namespace speedtorch_ops::cuda_impl {
 namespace {
 
-cuda::Elem elem_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return cuda::Elem::kF32;
-    case at::kDouble: return cuda::Elem::kF64;
-    case at::kHalf: return cuda::Elem::kF16;
-    case at::kBFloat16: return cuda::Elem::kBF16;
-    case at::kChar: return cuda::Elem::kI8;
-    case at::kByte: return cuda::Elem::kU8;
-    case at::kShort: return cuda::Elem::kI16;
-    case at::kInt: return cuda::Elem::kI32;
-    case at::kLong: return cuda::Elem::kI64;
-    case at::kBool: return cuda::Elem::kBool;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked accumulate dtype ", t);
-  }
-}
 
 // Calls go(tables) for the pairs in groups of at most kMaxTables, gather (batch <- table) or
 // scatter (table <- batch) direction.
@@ -48,6 +33,22 @@ void for_each_group(const std::vector<Pair>& pairs, bool to_batch, const Go& go)
 }
 
 }  // namespace
+
+cuda::Elem elem_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::Elem::kF32;
+    case at::kDouble: return cuda::Elem::kF64;
+    case at::kHalf: return cuda::Elem::kF16;
+    case at::kBFloat16: return cuda::Elem::kBF16;
+    case at::kChar: return cuda::Elem::kI8;
+    case at::kByte: return cuda::Elem::kU8;
+    case at::kShort: return cuda::Elem::kI16;
+    case at::kInt: return cuda::Elem::kI32;
+    case at::kLong: return cuda::Elem::kI64;
+    case at::kBool: return cuda::Elem::kBool;
+    default: TORCH_INTERNAL_ASSERT(false, "unchecked element dtype ", t);
+  }
+}
 
 DeviceIndex DeviceIndex::presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
                                    const int64_t* limit) {

@@ -15,6 +15,9 @@
 
 namespace speedtorch_ops::cuda_impl {
 
+// The kernels' element type of a tensor dtype (one the caller checked).
+cuda::Elem elem_of(at::ScalarType t);
+
 // One store and its batch-sized tensor, as device-visible addresses.
 struct Pair {
   char* table;

@@ -171,4 +171,15 @@ void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at
 // _age_frequencies: freq 1-D float32, age one int64, both contiguous on one device; period >= 1.
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period);
 
+// _fused_row_update: buf (parts, n, width) floating (float32, float64, float16, bfloat16), each
+// part contiguous; grad (n, dim) contiguous, buf's dtype and device, dim <= width (< width with
+// the row-wise rule, whose accumulator sits at column dim); count one int64 on buf's device;
+// rule a Rule; hyper 5 values; flags the Flag bits; state_parts at most 3 distinct parts in
+// [1, parts); step a float32/float64 scalar on the CPU or buf's device, required by the rules
+// that count steps (Adagrad, Adam, AdamW). Returns the rule.
+int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                const at::Tensor& count, const c10::optional<at::Tensor>& step,
+                                int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
+                                c10::ArrayRef<int64_t> state_parts);
+
 }  // namespace speedtorch_ops

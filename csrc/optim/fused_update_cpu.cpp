@@ -1,0 +1,75 @@
+// _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
+// the staged rows are independent, so they split over the threads.
+#include "hyper.h"
+#include "rules.h"
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace speedtorch_ops {
+namespace {
+
+void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
+                          const c10::optional<at::Tensor>& step, int64_t rule_arg,
+                          at::ArrayRef<double> hyper, int64_t flags,
+                          at::ArrayRef<int64_t> state_parts) {
+  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts);
+  const auto rule = static_cast<optim::Rule>(rule_arg);
+  optim::Hyper h = optim::make_hyper(hyper, flags);
+  if (step.has_value()) optim::derive(h, rule, step->item<double>());
+  const int64_t n = buf.size(1), width = buf.size(2), dim = grad.size(1);
+  const int64_t rows = std::clamp<int64_t>(count.item<int64_t>(), 0, n);
+  const int64_t part_stride = buf.stride(0);
+  const int states = static_cast<int>(state_parts.size());
+  const bool momentum = rule == optim::Rule::kSgd && states > 0;
+  const std::vector<int64_t> parts(state_parts.begin(), state_parts.end());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buf.scalar_type(), "fused_row_update",
+                                  [&] {
+    using T = at::opmath_type<scalar_t>;
+    scalar_t* base = buf.mutable_data_ptr<scalar_t>();
+    const scalar_t* g_base = grad.const_data_ptr<scalar_t>();
+    const int64_t row_bytes = (1 + states) * dim * static_cast<int64_t>(sizeof(scalar_t));
+    at::parallel_for(0, rows, grain_for(rows, row_bytes, 256), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        scalar_t* w_row = base + r * width;
+        const scalar_t* g_row = g_base + r * dim;
+        T row_sum = 0;
+        if (rule == optim::Rule::kRowWiseAdagrad) {
+          T sq = 0;
+          for (int64_t j = 0; j < dim; ++j) {
+            const T g = optim::effective_grad<T>(g_row[j], w_row[j], h, rule);
+            sq += g * g;
+          }
+          row_sum = static_cast<T>(w_row[dim]) + sq / static_cast<T>(dim);
+          w_row[dim] = static_cast<scalar_t>(row_sum);
+        }
+        for (int64_t j = 0; j < dim; ++j) {
+          T w = w_row[j];
+          const T g = optim::effective_grad<T>(g_row[j], w, h, rule);
+          T s[3] = {0, 0, 0};
+          for (int k = 0; k < states; ++k) s[k] = base[parts[k] * part_stride + r * width + j];
+          optim::update<T>(rule, h, g, w, s, momentum, row_sum);
+          w_row[j] = static_cast<scalar_t>(w);
+          for (int k = 0; k < states; ++k) {
+            base[parts[k] * part_stride + r * width + j] = static_cast<scalar_t>(s[k]);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("_fused_row_update", &fused_row_update_cpu);
+}
+
+}  // namespace speedtorch_ops

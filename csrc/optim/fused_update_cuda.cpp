@@ -1,0 +1,49 @@
+// _fused_row_update on a GPU (registration.cpp has the contract; fused_update.cu the kernel):
+// one launch on the current stream; the step count is read by the kernel when it lives on the
+// device (a captured step's replays count on), on the host when it lives there.
+#include "../cuda/transfer.h"
+#include "fused_update.h"
+#include "hyper.h"
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+namespace speedtorch_ops {
+namespace {
+
+void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
+                           const c10::optional<at::Tensor>& step, int64_t rule_arg,
+                           at::ArrayRef<double> hyper, int64_t flags,
+                           at::ArrayRef<int64_t> state_parts) {
+  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts);
+  const c10::cuda::CUDAGuard guard(buf.device());
+  const auto rule = static_cast<optim::Rule>(rule_arg);
+  optim::Hyper h = optim::make_hyper(hyper, flags);
+  const void* step_ptr = nullptr;
+  bool step_f64 = false;
+  if (step.has_value() && step->device().is_cpu()) {
+    optim::derive(h, rule, step->item<double>());
+  } else if (step.has_value()) {
+    step_ptr = step->const_data_ptr();
+    step_f64 = step->scalar_type() == at::kDouble;
+  }
+  int parts[3] = {0, 0, 0};
+  for (size_t k = 0; k < state_parts.size(); ++k) parts[k] = static_cast<int>(state_parts[k]);
+  C10_CUDA_CHECK(cuda::launch_fused_row_update(
+      cuda_impl::elem_of(buf.scalar_type()), buf.mutable_data_ptr(), buf.size(1), buf.stride(0),
+      buf.size(2), grad.size(1), grad.const_data_ptr(), count.const_data_ptr<int64_t>(), rule, h,
+      step_ptr, step_f64, parts, static_cast<int>(state_parts.size()),
+      at::cuda::getCurrentCUDAStream(buf.device().index())));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CUDA, m) {
+  m.impl("_fused_row_update", &fused_row_update_cuda);
+}
+
+}  // namespace speedtorch_ops

@@ -1,0 +1,109 @@
+// The fused optimizers' arithmetic, shared by the CPU and CUDA kernels of _fused_row_update
+// (registration.cpp has the op's contract). Torch-free and CUDA-free: plain C++ that compiles
+// for the host and, under nvcc, for the device. Each rule is torch's own formula for one
+// element (RowWiseAdagrad: one accumulator per row), written for a row's weight and state
+// held in a staged buffer (parts, rows, width): the weight in part 0, columns [0, dim); a
+// per-element state in a part of its own; the row-wise accumulator at part 0, column dim.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define SPEEDTORCH_HD __host__ __device__ __forceinline__
+#else
+#define SPEEDTORCH_HD inline
+#endif
+
+namespace speedtorch_ops::optim {
+
+// The optimizers with a fused update; the values are the op's `rule` argument.
+enum class Rule : int64_t {
+  kSgd = 0,             // torch.optim.SGD (momentum, dampening, nesterov, weight_decay)
+  kAdagrad = 1,         // torch.optim.Adagrad (lr_decay, weight_decay, eps)
+  kRowWiseAdagrad = 2,  // speedtorch_ops.RowWiseAdagrad
+  kAdam = 3,            // torch.optim.Adam (amsgrad, weight_decay as L2)
+  kAdamW = 4,           // torch.optim.AdamW (decoupled weight decay)
+};
+
+// The op's `flags` bits.
+enum Flag : int64_t {
+  kMaximize = 1,
+  kNesterov = 2,
+  kAmsgrad = 4,
+  kFirstStep = 8,  // SGD with momentum: the buffer takes the gradient itself (torch's first step)
+};
+
+// One step's constants. `a` and `b` are momentum and dampening (SGD), lr_decay (Adagrad), or
+// beta1 and beta2 (Adam). The rest are derived from the step count once per step.
+struct Hyper {
+  double lr = 0, weight_decay = 0, a = 0, b = 0, eps = 0;
+  int64_t flags = 0;
+  double step_size = 0;  // Adam: lr / (1 - beta1^step); Adagrad: lr / (1 + (step - 1) lr_decay)
+  double bc2_sqrt = 1;   // Adam: sqrt(1 - beta2^step)
+};
+
+// The step-dependent constants, from the step count after this step's increment (as torch's
+// optimizers count it).
+SPEEDTORCH_HD void derive(Hyper& h, Rule rule, double step) {
+  if (rule == Rule::kAdam || rule == Rule::kAdamW) {
+    h.step_size = h.lr / (1.0 - pow(h.a, step));
+    h.bc2_sqrt = sqrt(1.0 - pow(h.b, step));
+  } else if (rule == Rule::kAdagrad) {
+    h.step_size = h.lr / (1.0 + (step - 1.0) * h.a);
+  }
+}
+
+// The gradient as the rule sees it: negated to maximize, plus L2 weight decay (every rule but
+// AdamW's, whose decay is decoupled).
+template <class T>
+SPEEDTORCH_HD T effective_grad(T g, T w, const Hyper& h, Rule rule) {
+  if (h.flags & kMaximize) g = -g;
+  if (h.weight_decay != 0 && rule != Rule::kAdamW) g += static_cast<T>(h.weight_decay) * w;
+  return g;
+}
+
+// One element's update: w its weight, s[0..2] its per-element state (as many as the rule keeps),
+// g its gradient from effective_grad. RowWiseAdagrad passes its row's accumulator after this
+// step's increment as `row_sum`.
+template <class T>
+SPEEDTORCH_HD void update(Rule rule, const Hyper& h, T g, T& w, T* s, bool momentum, T row_sum) {
+  switch (rule) {
+    case Rule::kSgd: {
+      if (momentum) {
+        const T mu = static_cast<T>(h.a);
+        T buf = (h.flags & kFirstStep) ? g : mu * s[0] + (T(1) - static_cast<T>(h.b)) * g;
+        s[0] = buf;
+        g = (h.flags & kNesterov) ? g + mu * buf : buf;
+      }
+      w -= static_cast<T>(h.lr) * g;
+      return;
+    }
+    case Rule::kAdagrad: {
+      s[0] += g * g;
+      w -= static_cast<T>(h.step_size) * g / (sqrt(s[0]) + static_cast<T>(h.eps));
+      return;
+    }
+    case Rule::kRowWiseAdagrad: {
+      w -= static_cast<T>(h.lr) * g / (sqrt(row_sum) + static_cast<T>(h.eps));
+      return;
+    }
+    case Rule::kAdam:
+    case Rule::kAdamW: {
+      if (rule == Rule::kAdamW) w *= T(1) - static_cast<T>(h.lr * h.weight_decay);
+      const T b1 = static_cast<T>(h.a), b2 = static_cast<T>(h.b);
+      s[0] += (T(1) - b1) * (g - s[0]);  // torch's lerp_(grad, 1 - beta1)
+      s[1] = b2 * s[1] + (T(1) - b2) * g * g;
+      T second = s[1];
+      if (h.flags & kAmsgrad) {
+        s[2] = s[2] > s[1] ? s[2] : s[1];
+        second = s[2];
+      }
+      const T denom = sqrt(second) / static_cast<T>(h.bc2_sqrt) + static_cast<T>(h.eps);
+      w -= static_cast<T>(h.step_size) * s[0] / denom;
+      return;
+    }
+  }
+}
+
+}  // namespace speedtorch_ops::optim

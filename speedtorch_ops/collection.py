@@ -1,0 +1,430 @@
+"""Collections of tables trained in one step, in TorchRec's conventions:
+``HostEmbeddingBagCollection`` (pooled features, like ``EmbeddingBagCollection``) and
+``HostEmbeddingCollection`` (every id's row, like ``EmbeddingCollection``).
+
+    tables = [TableConfig("user", 4_000_000, 128, pooling="sum"),
+              TableConfig("item", 1_000_000, 128, pooling="mean", feature_names=["item", "seen"])]
+    ebc = HostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
+                                     optimizer_kwargs={"lr": 1e-3}, cache_bytes=2**30)
+    out = ebc(KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))  # {feature: (B, D)}
+    loss.backward(); ebc.step()
+
+Tables of one width are one table underneath (a ``HostEmbedding`` of their rows stacked, each
+table at its row offset), so a step plans all of them at once: one sort of their ids, one cache
+lookup, one transfer of their misses, one of their write-backs, one optimizer update (fused
+where ``HostEmbedding.fused`` says). Tables of different widths form one such group a width.
+Every table of a collection shares its dtype, optimizer and hyper-parameters; the cache budget
+is split between the groups by their bytes. Several features may share a table.
+
+``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()``,
+``offsets()`` (and ``weights()``: per-sample weights of sum-pooled features), TorchRec's
+``KeyedJaggedTensor`` or ``speedtorch_ops.KeyedJaggedTensor``; keys the collection does not
+know are ignored, a feature it needs and does not find raises. It returns a dict from feature
+name to ``(stride, D)`` (pooled; an empty bag gives zeros) or ``(ids of the feature, D)``
+(``pooling="none"``). Ids are checked per feature against its table's rows (host ids on the
+host; ids on the GPU with one wait unless ``bounds_check="prechecked"``): a bad id raises naming
+the feature and nothing is written.
+
+``state_dict()`` holds each table as ``"<table>.weight"`` and ``"<table>.optimizer.<state>"``
+(the shapes a ``HostEmbedding`` of that table has; a step count is its group's); ``step()``,
+``flush()``, ``discard()``, ``prefetch(next_features)``, ``cache_stats()`` and
+``speedtorch_ops.CapturedStep`` work as for ``HostEmbedding``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .modules import HostEmbedding, _eager, _same_view
+from .training.cache import CachedRows
+from .training.placement import upload
+from .training.plan import _INTEGER, Plan, check_bounds_mode
+
+_POOLING = ("sum", "mean", "none")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One table of a collection: ``num_embeddings`` rows of ``embedding_dim``; ``pooling``
+    "sum", "mean" or "none" (the bag collection's; the plain collection never pools); the
+    features that look it up (default: the table's name)."""
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling: str = "sum"
+    feature_names: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or "." in self.name:
+            raise ValueError(f"TableConfig.name must be a non-empty string without '.', got "
+                             f"{self.name!r}")
+        for key in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TableConfig {self.name!r}: {key} must be a positive int, got "
+                                 f"{value!r}")
+        if self.pooling not in _POOLING:
+            raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {_POOLING}, got "
+                             f"{self.pooling!r}")
+        names = tuple(self.feature_names) or (self.name,)
+        if any(not isinstance(f, str) or not f for f in names):
+            raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
+                             f"strings, got {self.feature_names!r}")
+        object.__setattr__(self, "feature_names", names)
+
+
+class _Group(HostEmbedding):
+    """The tables of one width stacked into one HostEmbedding. Its state lives in the
+    collection's state_dict under the tables' names, so its own keys are never emitted."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        pass
+
+    def save_rows(self, destination: dict) -> None:
+        HostEmbedding._save_to_state_dict(self, destination, "", False)
+
+    def load_rows(self, state_dict: dict, missing: list, unexpected: list,
+                  errors: list) -> None:
+        HostEmbedding._load_from_state_dict(self, state_dict, "", {}, True, missing, unexpected,
+                                            errors)
+
+
+@dataclass
+class _Feature:
+    name: str
+    table: int   # position in the collection's tables
+    pooling: str
+
+
+class HostEmbeddingBagCollection(nn.Module):
+    """Tables in host memory trained as one step (see the module docstring).
+
+    Args:
+        tables: the ``TableConfig`` of each table (distinct names, distinct feature names).
+        optimizer, optimizer_kwargs: the torch optimizer class every table trains with, and its
+            arguments (as HostEmbedding's).
+        device: where a step's rows are staged (default: the current GPU, else the CPU).
+        cache_bytes: the GPU row cache's budget for all tables (0: none).
+        bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
+        dtype: the tables' and their state's dtype.
+    """
+
+    _pooled = True
+
+    def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
+                 optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
+                 bounds_check: str = "raise", dtype=torch.float32):
+        super().__init__()
+        tables = list(tables)
+        if not tables or any(not isinstance(t, TableConfig) for t in tables):
+            raise TypeError("tables must be a non-empty list of speedtorch_ops.TableConfig")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tables: table names must be distinct, got {names}")
+        check_bounds_mode(bounds_check)
+        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        self.tables = tables
+        self.bounds_check = bounds_check
+        self.features: List[_Feature] = []
+        for k, t in enumerate(tables):
+            for f in t.feature_names:
+                self.features.append(_Feature(f, k, t.pooling if self._pooled else "none"))
+        fnames = [f.name for f in self.features]
+        if len(set(fnames)) != len(fnames):
+            raise ValueError(f"tables: feature names must be distinct, got {fnames}")
+        # One group a width, tables in their given order at row offsets.
+        widths = sorted({t.embedding_dim for t in tables})
+        self._group_of = [widths.index(t.embedding_dim) for t in tables]
+        self._offset = [0] * len(tables)
+        rows = [0] * len(widths)
+        for k, t in enumerate(tables):
+            g = self._group_of[k]
+            self._offset[k] = rows[g]
+            rows[g] += t.num_embeddings
+        groups = []
+        budget = self._split_budget(cache_bytes, rows, widths, optimizer, optimizer_kwargs,
+                                    dtype)
+        for g, width in enumerate(widths):
+            groups.append(_Group(rows[g], width, optimizer=optimizer,
+                                 optimizer_kwargs=optimizer_kwargs, device=device,
+                                 cache_bytes=budget[g], bounds_check="prechecked", dtype=dtype))
+        self.groups = nn.ModuleList(groups)
+
+    @staticmethod
+    def _split_budget(cache_bytes, rows, widths, optimizer, optimizer_kwargs, dtype) -> list:
+        """The cache budget of each group, by its share of the tables' bytes (rows x dim)."""
+        if cache_bytes == 0:
+            return [0] * len(rows)
+        sizes = [r * w for r, w in zip(rows, widths)]
+        total = sum(sizes)
+        return [cache_bytes * s // total for s in sizes]
+
+    @property
+    def device(self) -> torch.device:
+        return self.groups[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.groups[0].dtype
+
+    # ---- a step --------------------------------------------------------------------------
+
+    def _layout(self, features) -> tuple:
+        """(values, weights, host offsets or device offsets, where each needed feature's ids and
+        bags start) of a jagged batch, checked: every feature present, lengths consistent."""
+        keys = list(features.keys())
+        values = features.values()
+        if values.dtype not in _INTEGER:
+            raise TypeError(f"features: values must be integer ids, got {values.dtype}")
+        per_key = features.length_per_key() if hasattr(features, "length_per_key") else None
+        stride = features.stride() if hasattr(features, "stride") else \
+            len(features.lengths()) // max(len(keys), 1)
+        lengths = features.lengths()
+        if per_key is None:
+            per_key = lengths.view(len(keys), stride).sum(1).tolist()
+        starts = np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)])
+        at = {}
+        for f in self.features:
+            if f.name not in keys:
+                raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
+            i = keys.index(f.name)
+            at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
+        weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+        return values, weights, lengths, stride, at
+
+    def _check(self, values: Tensor, lengths: Tensor, stride: int, at: dict) -> None:
+        """Each feature's ids in its table's rows and its lengths >= 0, naming the feature: on
+        the host, or with one wait for a batch on a GPU (none when prechecked)."""
+        on_gpu = values.device.type == "cuda"
+        if on_gpu and self.bounds_check == "prechecked":
+            return
+        flags = []
+        for f in self.features:
+            i, lo, hi = at[f.name]
+            rows = self.tables[f.table].num_embeddings
+            ids = values[lo:hi]
+            flags += [((ids < 0) | (ids >= rows)).any(),
+                      (lengths[i * stride:(i + 1) * stride] < 0).any()]
+        bad = torch.stack(flags).cpu().tolist() if flags else []
+        for k, f in enumerate(self.features):
+            i, lo, hi = at[f.name]
+            if bad[2 * k + 1]:
+                raise ValueError(f"features: feature {f.name!r} has a negative length")
+            if bad[2 * k]:
+                rows = self.tables[f.table].num_embeddings
+                ids = values[lo:hi].cpu()
+                p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
+                raise RuntimeError(f"feature {f.name!r}: id {int(ids[p])} at position {p} is out "
+                                   f"of range for table {self.tables[f.table].name!r} of {rows} "
+                                   "rows; every id must be in [0, rows). Nothing was written.")
+
+    def _group_ids(self, values: Tensor, at: dict, device: torch.device) -> list:
+        """Per group: (its features in output order, the flat ids on `device` with each table's
+        row offset added, where each feature's ids start in them)."""
+        out = []
+        order = {"none": 0, "sum": 1, "mean": 2}  # a pooling's features stay together
+        for g in range(len(self.groups)):
+            feats = sorted((f for f in self.features if self._group_of[f.table] == g),
+                           key=lambda f: order[f.pooling])
+            pieces, starts, n = [], [], 0
+            for f in feats:
+                _, lo, hi = at[f.name]
+                ids = values[lo:hi].to(torch.int64)
+                if self._offset[f.table]:
+                    ids = ids + self._offset[f.table]
+                pieces.append(ids)
+                starts.append(n)
+                n += hi - lo
+            flat = torch.cat(pieces) if pieces else values.new_zeros(0, dtype=torch.int64)
+            if flat.device != device:
+                flat = upload(flat, device) if flat.device.type == "cpu" else flat.to(device)
+            out.append((feats, flat, starts))
+        return out
+
+    @_eager
+    def forward(self, features) -> Dict[str, Tensor]:
+        values, weights, lengths, stride, at = self._layout(features)
+        self._check(values, lengths, stride, at)
+        for f in self.features:
+            if weights is not None and f.pooling == "mean":
+                raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
+                                          "pooling='sum' (as nn.EmbeddingBag)")
+        outputs = {}
+        offsets = None
+        for group, (feats, flat, starts) in zip(self.groups, self._group_ids(values, at,
+                                                                             self.device)):
+            if not feats:
+                continue
+            plan, d, _ = group._stage((flat,))
+            rows = group._lookup_rows(d.inverse)
+            index = d.inverse
+            for mode in ("none", "sum", "mean"):
+                mine = [(f, s) for f, s in zip(feats, starts) if f.pooling == mode]
+                if not mine:
+                    continue
+                sizes = [at[f.name][2] - at[f.name][1] for f, _ in mine]
+                lo = mine[0][1]
+                hi = lo + sum(sizes)
+                if mode == "none":
+                    # split, not slices: its backward is one cat, a slice's a zeroed whole.
+                    out = F.embedding(index[lo:hi], rows).split(sizes)
+                    for (f, _), piece in zip(mine, out):
+                        outputs[f.name] = piece
+                    continue
+                if offsets is None:
+                    offsets = features.offsets().to(torch.int64)
+                    offsets = (upload(offsets, self.device) if offsets.device.type == "cpu"
+                               else offsets.to(self.device))
+                bags = []
+                for f, s in mine:
+                    i, vlo, _ = at[f.name]
+                    bags.append(offsets[i * stride:(i + 1) * stride] - vlo + (s - lo))
+                bags.append(torch.full((1,), hi - lo, dtype=torch.int64, device=self.device))
+                psw = None
+                if weights is not None and mode == "sum":
+                    psw = torch.cat([weights[at[f.name][1]:at[f.name][2]] for f, _ in mine])
+                    psw = psw.to(self.device, self.dtype)
+                pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
+                                         per_sample_weights=psw, include_last_offset=True)
+                for (f, _), piece in zip(mine, pooled.split(stride)):
+                    outputs[f.name] = piece
+        return {f.name: outputs[f.name] for f in self.features}
+
+    @_eager
+    def step(self) -> None:
+        """Update every table's touched rows (and state) and commit them."""
+        for group in self.groups:
+            group.step()
+
+    @_eager
+    def prefetch(self, features) -> None:
+        """Start loading the rows of the next step's batch (see HostEmbedding.prefetch)."""
+        values, _, lengths, stride, at = self._layout(features)
+        self._check(values, lengths, stride, at)
+        for group, (feats, flat, _) in zip(self.groups, self._group_ids(values, at,
+                                                                        self.device)):
+            if feats:
+                group.prefetch(flat)
+
+    @_eager
+    def discard(self) -> None:
+        for group in self.groups:
+            group.discard()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            group.zero_grad(set_to_none)
+
+    def flush(self) -> None:
+        for group in self.groups:
+            group.flush()
+
+    @property
+    def fused(self) -> bool:
+        return all(group.fused for group in self.groups)
+
+    def cache_stats(self) -> dict:
+        """Per width group ("dim<D>") and in total ("total"): HostEmbedding.cache_stats's
+        counts (the tables of a group share one cache)."""
+        out = {f"dim{g.embedding_dim}": g.cache_stats() for g in self.groups}
+        total = {}
+        for stats in out.values():
+            for key, value in stats.items():
+                if key != "hit_rate":
+                    total[key] = total.get(key, 0) + value
+        total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+        out["total"] = total
+        return out
+
+    def table_weight(self, name: str) -> Tensor:
+        """Table `name`'s weight (a view of the host table; flushed first)."""
+        k = self._table_index(name)
+        g = self.groups[self._group_of[k]]
+        return g.weight[self._offset[k]:self._offset[k] + self.tables[k].num_embeddings]
+
+    def _table_index(self, name: str) -> int:
+        for k, t in enumerate(self.tables):
+            if t.name == name:
+                return k
+        raise KeyError(f"no table named {name!r}")
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        for g, group in enumerate(self.groups):
+            whole: dict = {}
+            group.save_rows(whole)
+            for k, t in enumerate(self.tables):
+                if self._group_of[k] != g:
+                    continue
+                lo, hi = self._offset[k], self._offset[k] + t.num_embeddings
+                for key, value in whole.items():
+                    rows = value.dim() >= 1 and value.shape[0] == group.num_embeddings
+                    destination[f"{prefix}{t.name}.{key}"] = value[lo:hi] if rows else value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        known = set()
+        for g, group in enumerate(self.groups):
+            whole: dict = {}
+            group.save_rows(whole)  # the group's keys and their current tensors
+            mine = [k for k in range(len(self.tables)) if self._group_of[k] == g]
+            gathered = {}
+            for key, current in whole.items():
+                rows = current.dim() >= 1 and current.shape[0] == group.num_embeddings
+                names = [f"{prefix}{self.tables[k].name}.{key}" for k in mine]
+                known.update(names)
+                present = [n for n in names if n in state_dict]
+                missing_keys.extend(n for n in names if n not in state_dict)
+                if not rows:
+                    if present:
+                        gathered[key] = state_dict[present[0]]
+                    continue
+                if len(present) != len(names):
+                    continue  # a table's rows are missing: the group's key is not loaded
+                pieces, bad = [], False
+                for k, n in zip(mine, names):
+                    v = state_dict[n]
+                    want = (self.tables[k].num_embeddings, *current.shape[1:])
+                    if not isinstance(v, Tensor) or tuple(v.shape) != want:
+                        got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+                        error_msgs.append(f"{n}: shape {got} in the checkpoint, {want} here")
+                        bad = True
+                    pieces.append(v)
+                if bad:
+                    continue
+                lo = [self._offset[k] for k in mine]
+                if all(_same_view(p, current[o:o + p.shape[0]]) for p, o in zip(pieces, lo)):
+                    gathered[key] = current  # loaded in place: the table itself
+                else:
+                    gathered[key] = torch.cat([p.to(current.device, current.dtype)
+                                               for p in pieces])
+            if gathered:
+                group.load_rows(gathered, [], [], error_msgs)
+        for key in state_dict:
+            if key.startswith(prefix) and key not in known:
+                unexpected_keys.append(key)
+
+    def extra_repr(self) -> str:
+        tables = ", ".join(f"{t.name}({t.num_embeddings}x{t.embedding_dim}"
+                           + (f", {t.pooling}" if self._pooled else "") + ")"
+                           for t in self.tables)
+        return f"tables=[{tables}]"
+
+
+class HostEmbeddingCollection(HostEmbeddingBagCollection):
+    """Every id's row, no pooling (TorchRec's EmbeddingCollection): ``forward`` returns
+    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used. Otherwise as
+    ``HostEmbeddingBagCollection``."""
+
+    _pooled = False

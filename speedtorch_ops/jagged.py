@@ -1,0 +1,134 @@
+"""A minimal ``KeyedJaggedTensor`` in TorchRec's convention, so the collections take a jagged
+batch with nothing else installed (TorchRec's own class works as it is).
+
+A batch of ``len(keys)`` features, each with ``stride`` samples: ``lengths`` holds the ids
+count of every (key, sample), key-major (all samples of ``keys[0]`` first); ``values`` the ids
+in that order; ``offsets`` the exclusive prefix sums of ``lengths`` (one more entry);
+``weights`` optional per-id weights (per-sample weights of a pooled feature).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+class KeyedJaggedTensor:
+    """Jagged ids of several features (see the module docstring).
+
+    Args:
+        keys: the feature names.
+        values: the ids (1-D integers), key by key, sample by sample.
+        lengths / offsets: one of them (1-D integers): ids per (key, sample), or their prefix
+            sums starting at 0 (``len(keys) * stride + 1`` entries).
+        weights: per-id weights (values' length), or None.
+        stride: samples per key (default: ``len(lengths) // len(keys)``).
+        length_per_key: ids per key (host ints). Given, nothing is read back from a GPU (a CUDA
+            graph can capture a step that builds the batch); otherwise computed from the lengths
+            on first use (one wait when they are on a GPU).
+
+    Example::
+
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["user", "item"], torch.tensor([4, 7, 7, 1, 2]), torch.tensor([2, 1, 0, 2]))
+        # user: samples [4, 7], [7]; item: samples [], [1, 2]
+    """
+
+    def __init__(self, keys: Sequence[str], values: Tensor, weights: Optional[Tensor] = None,
+                 lengths: Optional[Tensor] = None, offsets: Optional[Tensor] = None,
+                 stride: Optional[int] = None, length_per_key: Optional[Sequence[int]] = None):
+        self._keys = list(keys)
+        if any(not isinstance(k, str) for k in self._keys):
+            raise TypeError(f"keys must be strings, got {self._keys!r}")
+        if len(set(self._keys)) != len(self._keys):
+            raise ValueError(f"keys must be distinct, got {self._keys!r}")
+        if not isinstance(values, Tensor) or values.dim() != 1:
+            raise ValueError("values must be a 1-D tensor of ids")
+        if lengths is None and offsets is None:
+            raise ValueError("one of lengths and offsets is required")
+        for name, t in (("lengths", lengths), ("offsets", offsets)):
+            if t is not None and (not isinstance(t, Tensor) or t.dim() != 1
+                                  or t.is_floating_point()):
+                raise ValueError(f"{name} must be a 1-D integer tensor")
+        if lengths is None:
+            if offsets.numel() < 1:
+                raise ValueError("offsets must hold at least one entry (0)")
+            lengths = offsets[1:] - offsets[:-1]
+        if offsets is None:
+            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        if len(offsets) != len(lengths) + 1:
+            raise ValueError(f"offsets must have one entry more than lengths ({len(lengths)}), "
+                             f"got {len(offsets)}")
+        if stride is None:
+            stride = len(lengths) // len(self._keys) if self._keys else 0
+        if len(lengths) != stride * len(self._keys):
+            raise ValueError(f"lengths must hold stride x len(keys) = {stride} x "
+                             f"{len(self._keys)} entries, got {len(lengths)}")
+        if weights is not None and (not isinstance(weights, Tensor)
+                                    or weights.shape != values.shape):
+            raise ValueError(f"weights must have values' shape {tuple(values.shape)}")
+        if length_per_key is not None:
+            length_per_key = [int(v) for v in length_per_key]
+            if len(length_per_key) != len(self._keys) or sum(length_per_key) != len(values):
+                raise ValueError(f"length_per_key must hold one count a key summing to "
+                                 f"len(values) = {len(values)}, got {length_per_key}")
+        self._values, self._weights = values, weights
+        self._lengths, self._offsets = lengths, offsets
+        self._stride = int(stride)
+        self._length_per_key = length_per_key
+
+    @classmethod
+    def from_lengths_sync(cls, keys: Sequence[str], values: Tensor, lengths: Tensor,
+                          weights: Optional[Tensor] = None,
+                          stride: Optional[int] = None) -> "KeyedJaggedTensor":
+        kjt = cls(keys, values, weights, lengths=lengths, stride=stride)
+        kjt.length_per_key()
+        return kjt
+
+    @classmethod
+    def from_offsets_sync(cls, keys: Sequence[str], values: Tensor, offsets: Tensor,
+                          weights: Optional[Tensor] = None,
+                          stride: Optional[int] = None) -> "KeyedJaggedTensor":
+        kjt = cls(keys, values, weights, offsets=offsets, stride=stride)
+        kjt.length_per_key()
+        return kjt
+
+    def keys(self) -> List[str]:
+        return self._keys
+
+    def values(self) -> Tensor:
+        return self._values
+
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    def offsets(self) -> Tensor:
+        return self._offsets
+
+    def weights(self) -> Tensor:
+        if self._weights is None:
+            raise ValueError("this KeyedJaggedTensor has no weights")
+        return self._weights
+
+    def weights_or_none(self) -> Optional[Tensor]:
+        return self._weights
+
+    def stride(self) -> int:
+        return self._stride
+
+    def length_per_key(self) -> List[int]:
+        """Ids per key (host ints; computed once, with one wait for lengths on a GPU)."""
+        if self._length_per_key is None:
+            per = self._lengths.view(len(self._keys), self._stride).sum(1) if self._keys else \
+                self._lengths.new_zeros(0)
+            self._length_per_key = [int(v) for v in per.tolist()]
+            if sum(self._length_per_key) != len(self._values):
+                raise ValueError(f"lengths sum to {sum(self._length_per_key)}, values hold "
+                                 f"{len(self._values)} ids")
+        return self._length_per_key
+
+    def __repr__(self) -> str:
+        return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "
+                f"values={len(self._values)} ids)")

@@ -1,0 +1,147 @@
+"""The fused optimizer update (ops._fused_row_update, through the modules' step()): against
+torch's own optimizer step on the same staged rows (an independent reference: torch's
+implementation), in float64 tightly and in the 16/32-bit dtypes within their rounding; rows past
+the count untouched; bad arguments raise naming the argument and change nothing. The "cuda"
+cases run on the GPU machine."""
+
+import pytest
+import torch
+
+import speedtorch_ops as so
+from speedtorch_ops import ops
+from speedtorch_ops.training import fused
+from conftest import HAS_CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+CASES = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                       "maximize": True}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.1,
+                                      "initial_accumulator_value": 0.2}),
+    "rowwise": (so.RowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.05}),
+    "adam": (torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}),
+    "adamw-amsgrad": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True,
+                                          "maximize": True}),
+}
+
+
+def run(cls, kwargs, device, dtype, fused_update, gen, steps=4, rows=50, dim=7):
+    torch.manual_seed(0)
+    init = torch.randn(rows, dim, generator=gen, dtype=torch.float64)
+    batches = [torch.randint(0, rows // 2, (6, 5), generator=gen) for _ in range(steps)]
+    targets = [torch.randn(6, 5, dim, generator=gen, dtype=torch.float64) for _ in batches]
+    emb = so.HostEmbedding.from_pretrained(init.to(dtype), freeze=False, optimizer=cls,
+                                           optimizer_kwargs=kwargs, device=device, dtype=dtype)
+    emb.fused_update = fused_update
+    for ids, target in zip(batches, targets):
+        out = emb(ids.to(device))
+        ((out.double() * target.to(device)).sum(-1) - 1).pow(2).sum().backward()
+        emb.step()
+    return emb
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_step_equals_torchs_step(device, name, gen):
+    cls, kwargs = CASES[name]
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    results = {}
+    for flag in (True, False):
+        g = torch.Generator().manual_seed(seed)
+        emb = run(cls, kwargs, device, torch.float64, flag, g)
+        assert emb.fused is flag
+        results[flag] = emb.state_dict()
+    for key, value in results[False].items():
+        if torch.is_tensor(value) and value.is_floating_point():
+            assert torch.allclose(results[True][key].cpu(), value.cpu(), rtol=1e-12,
+                                  atol=1e-13), (name, key, seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["adam", "rowwise", "sgd-momentum"])
+def test_fused_step_in_low_precision(device, dtype, name, gen):
+    """Math in float32 inside the kernel: within the storage dtype's rounding of torch's step
+    (which computes in the storage dtype) over a few steps."""
+    if device == "cpu" and dtype == torch.float16 and name == "rowwise":
+        pytest.skip("torch's CPU half sqrt/mean is the reference's own limit")
+    cls, kwargs = CASES[name]
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    weights = []
+    for flag in (True, False):
+        g = torch.Generator().manual_seed(seed)
+        weights.append(run(cls, kwargs, device, dtype, flag, g).weight.double().cpu())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}[dtype]
+    assert torch.allclose(weights[0], weights[1], rtol=tol, atol=tol), (name, dtype, seed)
+
+
+def test_which_optimizers_are_fused():
+    def emb(cls, **kwargs):
+        return so.HostEmbedding(10, 4, optimizer=cls, optimizer_kwargs=kwargs, device="cpu")
+    assert emb(torch.optim.Adam, lr=0.1).fused
+    assert emb(torch.optim.Adam, lr=torch.tensor(0.1)).fused  # a host tensor is a number
+    assert emb(torch.optim.SGD, lr=0.1, momentum=0.9).fused
+    assert not emb(torch.optim.RMSprop, lr=0.1).fused
+    assert not emb(torch.optim.SparseAdam, lr=0.1).fused
+
+    assert not emb(torch.optim.Adam, lr=0.1, differentiable=True).fused
+
+
+def _buffer(device, rows=6, dim=4, parts=3, dtype=torch.float64, gen=None):
+    buf = torch.randn(parts, rows, dim, generator=gen, dtype=dtype).to(device)
+    buf[2].abs_()  # a second moment is never negative
+    grad = torch.randn(rows, dim, generator=gen, dtype=dtype).to(device)
+    return buf, grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_past_the_count_are_untouched(device, gen):
+    buf, grad = _buffer(device, gen=gen)
+    before = buf.clone()
+    count = torch.tensor([4], device=device)
+    step = torch.tensor(3.0, device=device)
+    ops._fused_row_update(buf, grad, count, step, fused.ADAM, (0.1, 0.0, 0.9, 0.999, 1e-8), 0,
+                          [1, 2])
+    assert torch.equal(buf[:, 4:], before[:, 4:])
+    assert not torch.equal(buf[:, :4], before[:, :4])
+    # Adam's formula at step 3 against torch's Adam on those rows (state given).
+    p = before[0, :4].clone().requires_grad_()
+    p.grad = grad[:4].clone()
+    opt = torch.optim.Adam([p], lr=0.1)
+    opt.state[p].update(step=torch.tensor(2.0), exp_avg=before[1, :4].clone(),
+                        exp_avg_sq=before[2, :4].clone())
+    opt.step()
+    assert torch.allclose(buf[0, :4], p.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(buf[1, :4], opt.state[p]["exp_avg"], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
+    buf, grad = _buffer(device, gen=gen)
+    before = buf.clone()
+    count = torch.tensor([6], device=device)
+    step = torch.tensor(1.0)
+    hyper = (0.1, 0.0, 0.9, 0.999, 1e-8)
+    bad = [
+        (dict(rule=7), "rule"),
+        (dict(grad=grad.float()), "grad must have buf's dtype"),
+        (dict(grad=grad[:5]), "grad must have buf's"),
+        (dict(count=torch.tensor([6, 6], device=device)), "count"),
+        (dict(hyper=(0.1, 0.0)), "hyper"),
+        (dict(flags=64), "flags"),
+        (dict(parts=[1, 1]), "state_parts must be distinct"),
+        (dict(parts=[3]), "state_parts"),
+        (dict(step=None), "step is required"),
+        (dict(step=torch.tensor([1, 2])), "step must be one"),
+        (dict(rule=fused.ROWWISE_ADAGRAD, parts=[]), "width"),
+    ]
+    for change, message in bad:
+        args = dict(buf=buf, grad=grad, count=count, step=step, rule=fused.ADAM, hyper=hyper,
+                    flags=0, parts=[1, 2])
+        args.update(change)
+        with pytest.raises(RuntimeError, match=message):
+            ops._fused_row_update(args["buf"], args["grad"], args["count"], args["step"],
+                                  args["rule"], args["hyper"], args["flags"], args["parts"])
+        assert torch.equal(buf, before), change
