@@ -160,9 +160,11 @@ def selfcheck(device, steps=5):
     print(f"selfcheck on {device}: {steps} baseline steps equal float64 lazy Adam")
 
 
-def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None):
+def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None, label=""):
     """--warmup steps with an all-ones output gradient, after_warmup(), then --steps with the
-    fixed one: ms of each of those alone (CUDA events; perf_counter on the CPU)."""
+    fixed one: ms of each of those alone (CUDA events; perf_counter on the CPU). With
+    --profile DIR, three more steps under torch.profiler: DIR/<label>.txt, the kernels and
+    phases by GPU time."""
     cuda = device.type == "cuda"
     grad.fill_(1)
     for i in range(a.warmup):
@@ -184,6 +186,16 @@ def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    if a.profile and cuda:
+        os.makedirs(a.profile, exist_ok=True)
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(3):
+                step(i)
+                torch.cuda.synchronize()
+        with open(os.path.join(a.profile, f"{label}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60,
+                                              max_name_column_width=70))
     return {"mean_ms": statistics.fmean(times), "median_ms": statistics.median(times),
             "p90_ms": float(np.percentile(times, 90)), "steps": len(times)}
 
@@ -195,7 +207,8 @@ def run_baseline(a, ids, grad, fixed_grad, device):
     if device.type == "cuda" and need + 8 * grad.nbytes > torch.cuda.mem_get_info()[0]:
         return {"skipped": "the whole tables do not fit in free GPU memory"}
     base = Baseline(a.tables, a.cap, a.dim, a.ids_per_table, grad, device)
-    return timed_steps(lambda i: base.run(ids[i]), a, grad, fixed_grad, device)
+    return timed_steps(lambda i: base.run(ids[i]), a, grad, fixed_grad, device,
+                       label="baseline")
 
 
 def host_available():
@@ -241,7 +254,8 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
         step = lambda i: captured(host[i])  # noqa: E731
     marks = []  # the counts after the warm-up, whose lookups stay out of the hit rate
     result = timed_steps(step, a, grad, fixed_grad, device,
-                         lambda: marks.append(ebc.cache_stats()["total"]))
+                         lambda: marks.append(ebc.cache_stats()["total"]),
+                         label=f"ours-{mode}-cfr{cache_bytes}")
     after = ebc.cache_stats()["total"]
     lookups = after["lookups"] - marks[0]["lookups"]
     hit = (after["hits"] - marks[0]["hits"]) / lookups if cuda and lookups else None
@@ -311,6 +325,7 @@ def main():
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code")
     p.add_argument("--out", help="JSON path")
     p.add_argument("--plot", help="PNG path")
+    p.add_argument("--profile", help="a folder for torch.profiler tables of 3 steps a run")
     p.add_argument("--selfcheck", action="store_true",
                    help="the baseline's steps against float64 lazy Adam on tiny tables: on the "
                         "CPU, and through the graph on --device when it is a GPU")
