@@ -5,13 +5,18 @@ For each cache budget (both tables together, MiB; 0 = no cache) it trains the de
 (two vocab x dim tables + Adam state in pinned host memory) and reports steps/s, the hit rate
 (and the hit rate of an oracle that pins the rows most used in these very batches in the same
 number of slots), bytes over the host link per step, host time to queue a step on an idle GPU,
-and GPU peak memory; then the baseline, and a pinned memcpy's rate (to say what the moved bytes
+and GPU peak memory; then two baselines with the whole tables on the GPU: the demo's
+(nn.Embedding(sparse=True) + SparseAdam, eager) and the captured all-on-GPU step (dense tables,
+Adam state and gradient buffer, the step one CUDA graph replay: CapturedAllOnGpu), the latter on
+the same batches and steps as the runs; and a pinned memcpy's rate (to say what the moved bytes
 cost at the link's best). Output: a table, cache_budget.json and cache_budget.png in --out.
+--selfcheck checks the captured baseline's step on the CPU against a float64 lazy Adam.
 
     python3 bench/cache_budget.py --vocab 4000000 --dim 128 --batch 8192 --budgets 0 300 600 1200 4000
 """
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -21,7 +26,8 @@ import time
 import numpy as np
 import torch
 
-from speedtorch_ops.demo.train import ModuleTraining, train_all_on_gpu
+from speedtorch_ops.demo.model import SkipGram, skipgram_loss
+from speedtorch_ops.demo.train import OPTIMIZERS, ModuleTraining, train_all_on_gpu
 
 from _workloads import add_skipgram_shape, skipgram_corpus
 
@@ -54,6 +60,154 @@ def oracle_hit_rate(batches, slots, vocab) -> float:
         hits += sum(int(top[u].sum()) for u in per_step)
         total += sum(len(u) for u in per_step)
     return hits / total
+
+
+class CapturedAllOnGpu:
+    """The stronger baseline's step: each table's weight, exp_avg, exp_avg_sq and a gradient
+    buffer as dense (V, D) tensors. A step gathers the batch's rows, takes the demo's loss and
+    the rows' gradients, sums them per row in the buffer, runs the demo's Adam (its
+    hyper-parameters, fused as on a GPU, the step count global and on the device) on every
+    position's row with its row's summed gradient, writes the rows and their state back
+    (positions of one row write equal values) and zeroes the buffer's rows: lazy Adam, as
+    HostEmbedding and SparseAdam train. The demo's model has no other parameters. GPU work only,
+    shapes fixed by the batch's: capturable."""
+
+    def __init__(self, a, weights):
+        cls, kwargs = OPTIMIZERS["adam"](a.lr, None)
+        hp = cls([torch.zeros(1)], **kwargs).defaults
+        self.hp = dict(lr=hp["lr"], beta1=hp["betas"][0], beta2=hp["betas"][1],
+                       weight_decay=hp["weight_decay"], eps=hp["eps"], amsgrad=hp["amsgrad"],
+                       maximize=hp["maximize"])
+        self.tables = [(w, *(torch.zeros_like(w) for _ in range(3))) for w in weights]
+        self.count = torch.zeros((), device=weights[0].device)
+        self.batch, self.negatives = a.batch, a.negatives
+
+    def step(self, ids):
+        """One step on `ids`, int64: the centres, contexts and negatives one after another."""
+        B, N = self.batch, self.negatives
+        pos = (ids[:B], ids[B:])  # u's ids, v's (contexts, then negatives)
+        rows = [w.index_select(0, i).requires_grad_() for (w, *_), i in zip(self.tables, pos)]
+        loss = skipgram_loss(rows[0].view(B, 1, -1), rows[1][:B].view(B, 1, -1),
+                             rows[1][B:].view(B, N, -1))
+        for (*_, grad), i, g in zip(self.tables, pos, torch.autograd.grad(loss, rows)):
+            grad.index_add_(0, i, g)
+        weights = [r.detach() for r in rows]  # the gathered rows, updated in place
+        exp_avgs, exp_avg_sqs, grads = ([t[k].index_select(0, i) for t, i in zip(self.tables, pos)]
+                                        for k in (1, 2, 3))
+        self.count.add_(1)
+        torch._fused_adam_(weights, grads, exp_avgs, exp_avg_sqs, [], [self.count] * 2, **self.hp)
+        for (w, exp_avg, exp_avg_sq, grad), i, *new in zip(self.tables, pos, weights, exp_avgs,
+                                                          exp_avg_sqs):
+            for table, r in zip((w, exp_avg, exp_avg_sq), new):
+                table.index_copy_(0, i, r)
+            grad.index_fill_(0, i, 0)
+        return loss.detach()
+
+
+def init_weights(a, device) -> tuple:
+    """(u, v) initialised as the demo initialises them."""
+    bound = 0.5 / a.dim
+    return (torch.empty(a.vocab, a.dim, device=device).uniform_(-bound, bound),
+            torch.empty(a.vocab, a.dim, device=device).normal_(0.0, bound))
+
+
+def captured_baseline(a, batches, device) -> dict:
+    """The captured all-on-GPU step on `batches`, cycled and timed as run_budget does: three
+    eager warm-up steps on a side stream, the capture, replays (each after its batch's ids are
+    copied into the graph's input) up to a.warmup, then a.steps timed ones."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model = CapturedAllOnGpu(a, init_weights(a, device))
+    ids = torch.empty(a.batch * (2 + a.negatives), dtype=torch.int64, device=device)
+
+    def upload(i):
+        # A fresh pinned buffer each step: the caching host allocator holds it until its copy ran.
+        staging = torch.empty(ids.numel(), dtype=torch.int64, pin_memory=True)
+        np.concatenate([x.ravel() for x in batches[i % len(batches)]], out=staging.numpy())
+        ids.copy_(staging, non_blocking=True)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(3):
+            upload(i)
+            model.step(ids)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # Pinned memory freed during a capture invalidates it (see speedtorch_ops.CapturedStep).
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            model.step(ids)
+    finally:
+        gc.enable()
+
+    def step(i):
+        upload(i)
+        graph.replay()
+
+    for i in range(3, a.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        step(i)
+    torch.cuda.synchronize()
+    return {"steps_per_s": a.steps / (time.perf_counter() - start),
+            "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+
+
+def selfcheck(steps=6) -> None:
+    """CapturedAllOnGpu's step, eager on the CPU at tiny sizes (duplicate ids in every step, rows
+    skipped for steps between updates), against a float64 reference: the demo's model's loss and
+    gradients, torch.optim.Adam (the demo's hyper-parameters) on the touched rows only with their
+    summed gradients and the global step count."""
+    a = argparse.Namespace(vocab=50, dim=4, batch=8, negatives=5, lr=0.05)
+    torch.manual_seed(0)
+    weights = init_weights(a, "cpu")
+    model = CapturedAllOnGpu(a, [w.clone() for w in weights])
+    ref = SkipGram(a.vocab, a.vocab, a.dim).double()
+    with torch.no_grad():
+        for emb, w in zip((ref.u_embeddings, ref.v_embeddings), weights):
+            emb.weight.copy_(w)
+    state = [[torch.zeros(a.vocab, a.dim, dtype=torch.float64) for _ in range(2)]
+             for _ in range(2)]
+    cls, kwargs = OPTIMIZERS["adam"](a.lr, None)
+    last, gaps = torch.zeros(2, a.vocab, dtype=torch.int64), 0  # a row's last step, rows skipped
+    for t in range(1, steps + 1):
+        batch = [torch.randint(0, a.vocab, (a.batch, n)) for n in (1, 1, a.negatives)]
+        loss = model.step(torch.cat([x.ravel() for x in batch]))
+        ref.zero_grad()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        for emb, (m, v), ids, seen in zip((ref.u_embeddings, ref.v_embeddings), state,
+                                          (batch[0], torch.cat(batch[1:], 1)), last):
+            touched = ids.unique()
+            assert len(touched) < ids.numel() or emb is ref.u_embeddings
+            gaps += int(((seen[touched] > 0) & (seen[touched] < t - 1)).sum())
+            seen[touched] = t
+            rows = torch.nn.Parameter(emb.weight.detach()[touched])
+            rows.grad = emb.weight.grad[touched]
+            opt = cls([rows], **kwargs, foreach=False)
+            opt.state[rows] = {"step": torch.tensor(t - 1.0), "exp_avg": m[touched],
+                               "exp_avg_sq": v[touched]}
+            opt.step()
+            with torch.no_grad():
+                emb.weight[touched] = rows
+            m[touched], v[touched] = opt.state[rows]["exp_avg"], opt.state[rows]["exp_avg_sq"]
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (w, exp_avg, exp_avg_sq, grad), emb, (m, v) in zip(
+            model.tables, (ref.u_embeddings, ref.v_embeddings), state):
+        torch.testing.assert_close(w.double(), emb.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exp_avg.double(), m, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(exp_avg_sq.double(), v, rtol=1e-5, atol=1e-12)
+        assert not grad.any()
+    assert gaps, "no row was skipped between updates: the check needs other draws"
+    print(f"selfcheck passed: the captured all-on-GPU step matches lazy Adam in float64 over "
+          f"{steps} steps")
 
 
 def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, lane_sms=8,
@@ -206,9 +360,17 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
     p.add_argument("--profile", type=float, default=None, metavar="MB",
                    help="also profile 10 steps at this budget (torch.profiler, top GPU ops)")
-    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the demo's baseline (nn.Embedding(sparse=True) + SparseAdam)")
+    p.add_argument("--no-captured-baseline", action="store_true",
+                   help="skip the captured all-on-GPU step (CapturedAllOnGpu)")
+    p.add_argument("--selfcheck", action="store_true",
+                   help="only check the captured baseline's step on the CPU (tiny sizes) "
+                        "against a float64 lazy Adam, and exit")
     p.add_argument("--out", default="bench/out")
     a = p.parse_args()
+    if a.selfcheck:
+        return selfcheck()
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = skipgram_corpus(a)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
@@ -222,27 +384,40 @@ def main() -> None:
             print(rows[-1], flush=True)
     if a.profile is not None:
         profile_steps(a, run, batches, device)
-    base = float("nan")
+    # The baselines' GPU memory is their own: the runs' caches and pinned tables go first.
+    del run
+    gc.collect()
+    base = base_peak = float("nan")
     if not a.no_baseline:
         base_args = argparse.Namespace(**{**vars(a), "steps": a.warmup + a.steps,
                                           "reuse_batches": True})
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base_seconds = train_all_on_gpu(base_args, corpus, device)
         base = (base_args.steps - min(10, base_args.steps // 10)) / base_seconds
+        base_peak = torch.cuda.max_memory_allocated(device) / 2**20
+    captured = {"steps_per_s": float("nan"), "gpu_peak_mb": float("nan")}
+    if not a.no_captured_baseline:
+        captured = captured_baseline(a, batches, device)
+    for r in rows:
+        r["x_sparse_adam"] = r["steps_per_s"] / base
+        r["x_captured_all_on_gpu"] = r["steps_per_s"] / captured["steps_per_s"]
     gbps = memcpy_gbps(device)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "args": {k: v for k, v in vars(a).items()}, "memcpy_gbps": gbps,
-              "baseline_steps_per_s": base,
-              "baseline_gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+              "baseline_steps_per_s": base, "baseline_gpu_peak_mb": base_peak,
+              "captured_baseline_steps_per_s": captured["steps_per_s"],
+              "captured_baseline_gpu_peak_mb": captured["gpu_peak_mb"],
               "budgets": rows}
     print(f"{result['gpu']}, {a.corpus} corpus, vocab {a.vocab:,} x {a.dim}, batch {a.batch}; "
-          f"memcpy {gbps:.1f} GB/s; baseline (whole tables on the GPU, SparseAdam) "
-          f"{base:.1f} steps/s")
-    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x base':>7} {'hit':>6} {'oracle':>6} "
+          f"memcpy {gbps:.1f} GB/s; whole tables on the GPU: SparseAdam {base:.1f} steps/s "
+          f"({base_peak:,.0f} MiB), the captured all-on-GPU step {captured['steps_per_s']:.1f} "
+          f"steps/s ({captured['gpu_peak_mb']:,.0f} MiB)")
+    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
@@ -267,6 +442,8 @@ def main() -> None:
                         label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap}, "
                               f"admission {admission})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
+    ax.axhline(captured["steps_per_s"], color="black", ls=":",
+               label="whole tables on the GPU (the captured step, fused Adam)")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")
     ax.set_title(f"{a.corpus} skip-gram, {a.vocab:,} x {a.dim} x 2 + Adam, {result['gpu']}",

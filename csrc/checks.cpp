@@ -319,11 +319,20 @@ void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
 }
 
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
-                              const at::Tensor& at, int64_t k) {
+                              const at::Tensor& at, int64_t k,
+                              const c10::optional<at::Tensor>& hand, int64_t window) {
   check_vectors({{id_of, "id_of", at::kLong}, {freq, "freq", at::kFloat}, {at, "at", at::kLong}});
   check_items(id_of, "id_of");
   TORCH_CHECK(k >= 0 && k <= id_of.numel(), "k must be in [0, ", id_of.numel(),
               "] (the number of slots), got ", k);
+  if (window > 0) {
+    TORCH_CHECK(window >= k && window <= id_of.numel(), "window must be in [k, slots] = [", k,
+                ", ", id_of.numel(), "], got ", window);
+    TORCH_CHECK(hand.has_value(), "hand is required with a window (where the window starts)");
+    check_one_int64(*hand, "hand", id_of, "id_of");
+  } else {
+    TORCH_CHECK(window == 0, "window must be >= 0 (0: every slot), got ", window);
+  }
 }
 
 void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
@@ -381,10 +390,30 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
   TORCH_CHECK(period >= 1, "period must be at least 1 (steps between halvings), got ", period);
 }
 
+void check_segment_sum_args(const at::Tensor& grad, const at::Tensor& perm,
+                            const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (positions, "
+              "dim) tensor, got shape ", grad.sizes());
+  const auto dtype = grad.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
+              "grad must be float32, float64, float16 or bfloat16, got ", dtype);
+  check_vectors({{perm, "perm", at::kLong}, {starts, "starts", at::kLong}});
+  check_same_device(perm, "perm", grad, "grad");
+  TORCH_CHECK(perm.numel() == grad.size(0), "perm must have one entry a row of grad (",
+              grad.size(0), "), got ", perm.numel());
+  TORCH_CHECK(starts.numel() >= 1, "starts must hold at least one entry (segments + 1)");
+  check_one_int64(count, "count", grad, "grad");
+  TORCH_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
+  check_items(perm, "perm");
+}
+
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> state_parts) {
+                                c10::ArrayRef<int64_t> state_parts,
+                                const c10::optional<at::Tensor>& cache,
+                                const c10::optional<at::Tensor>& at) {
   TORCH_CHECK(rule >= 0 && rule <= 4, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
               "3 (Adam) or 4 (AdamW), got ", rule);
   TORCH_CHECK(buf.dim() == 3, "buf must be (parts, rows, width), got shape ", buf.sizes());
@@ -432,6 +461,22 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                 "buf's device ", buf.device(), ", got ", s.device());
   }
   check_no_overlap(buf, "buf", grad, "grad");
+  TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together (a slot per staged "
+              "row of the cache), got ", cache.has_value() ? "cache only" : "at only");
+  if (cache.has_value()) {
+    const auto& c = *cache;
+    TORCH_CHECK(c.dim() == 3 && c.size(0) == buf.size(0) && c.size(2) == width,
+                "cache must be (parts, slots, width) with buf's parts and width, got shape ",
+                c.sizes(), " for buf ", buf.sizes());
+    TORCH_CHECK(c.scalar_type() == dtype, "cache must have buf's dtype ", dtype, ", got ",
+                c.scalar_type());
+    check_same_device(c, "cache", buf, "buf");
+    check_rows_layout(c, "cache");
+    check_vector(*at, "at", at::kLong);
+    check_same_device(*at, "at", buf, "buf");
+    check_no_overlap(c, "cache", buf, "buf");
+    check_no_overlap(c, "cache", grad, "grad");
+  }
   return rule;
 }
 

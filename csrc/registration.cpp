@@ -50,9 +50,18 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // written outside the tensors.
   // (keys sorted ascending, stably; the position of each), sorting only the bits below bound.
   m.def("_sort_ids(Tensor keys, int bound) -> (Tensor, Tensor)");
-  // (ids, inverse, count): ids[:count] the distinct keys of index ascending, ids[count:] zero;
-  // ids[inverse[i]] == index[i]; count one int64. Keys below bound.
-  m.def("_distinct(Tensor index, int bound) -> (Tensor, Tensor, Tensor)");
+  // (ids, inverse, count, perm, starts): ids[:count] the distinct keys of index ascending,
+  // ids[count:] zero; ids[inverse[i]] == index[i]; count one int64; perm the positions of index
+  // sorted by key, stably (ascending positions within a key); starts (n + 1 entries) where each
+  // distinct key's positions begin in perm: key r's are perm[starts[r]:starts[r + 1]], and
+  // starts[r] = n from r = count on. Keys below bound.
+  m.def("_distinct(Tensor index, int bound) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // out (rows, dim): out[r] = the sum of grad[perm[j]] over j in [starts[r], starts[r + 1]) (in
+  // that order on the CPU; in a fixed order on a GPU: deterministic, no atomics) for
+  // r < min(count, rows, len(starts) - 1), zero for the other rows. grad (len(perm), dim), a
+  // floating dtype; perm and starts as _distinct gives them, count one int64, all on grad's
+  // device. The backward of a lookup of staged rows by the positions _distinct sorted.
+  m.def("_segment_sum(Tensor grad, Tensor perm, Tensor starts, Tensor count, int rows) -> Tensor");
   // (order, count): the positions of the true flags ascending, then the others descending;
   // count (one int64) how many are true.
   m.def("_partition(Tensor flags) -> (Tensor, Tensor)");
@@ -65,7 +74,11 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // their priorities. A slot s of id_of (the row each slot holds, -1: none) has priority
   // freq[id_of[s]], -1 when empty, +inf when it is in at (used by this step; entries past the
   // slots are ignored). 0 <= k <= slots.
-  m.def("_coldest_slots(Tensor id_of, Tensor freq, Tensor at, int k) -> (Tensor, Tensor)");
+  // With window > 0 only the window slots from *hand on (cyclically) are candidates (k <=
+  // window <= slots), and hand (one int64 on id_of's device) then moves on by window: each
+  // step looks at the next slots, a cost that follows the step's ids, not the cache's size.
+  m.def("_coldest_slots(Tensor id_of, Tensor freq, Tensor at, int k, Tensor(a!)? hand=None, "
+        "int window=0) -> (Tensor, Tensor)");
   // (admit, keys, evicted) of a step's first k = len(first) misses paired with their victims:
   // admit[j] when j < misses (one int64), the victim's slot is free to take (cold[j] finite)
   // and, with by_frequency, the miss ids[first[j]] is used at least as often as the victim
@@ -96,9 +109,13 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW; hyper (lr, weight_decay, a, b, eps)
   // with a, b = momentum, dampening (SGD), lr_decay, - (Adagrad), beta1, beta2 (Adam); flags:
   // 1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step; step the step count after this
-  // step's increment (Adagrad, Adam), read on the device when it lives there.
+  // step's increment (Adagrad, Adam), read on the device when it lives there. With a row cache
+  // (parts, slots, width) and at (a slot per staged row, as _cache_lookup gives it): a row whose
+  // at[r] is a slot is updated there (its state read there, weight and state written there;
+  // the weight, and RowWiseAdagrad's accumulator, read from buf, which holds them).
   m.def("_fused_row_update(Tensor(a!) buf, Tensor grad, Tensor count, Tensor? step, int rule, "
-        "float[] hyper, int flags, int[] state_parts) -> ()");
+        "float[] hyper, int flags, int[] state_parts, Tensor(b!)? cache=None, Tensor? at=None) "
+        "-> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import HostEmbedding, _eager, _same_view
+from .modules import HostEmbedding, _eager, _lookup, _same_view
 from .training.cache import CachedRows
 from .training.placement import upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -277,7 +277,9 @@ class HostEmbeddingBagCollection(nn.Module):
                 hi = lo + sum(sizes)
                 if mode == "none":
                     # split, not slices: its backward is one cat, a slice's a zeroed whole.
-                    out = F.embedding(index[lo:hi], rows).split(sizes)
+                    whole = lo == 0 and hi == len(index)  # the segment sum needs every position
+                    out = (_lookup(rows, d) if whole else F.embedding(index[lo:hi], rows))
+                    out = out.split(sizes)
                     for (f, _), piece in zip(mine, out):
                         outputs[f.name] = piece
                     continue

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import ops
 from .memory import fill_random_
 from .training import optim_state
 from .training.cache import CachedRows, Distinct, HostRows, Stat
@@ -97,6 +98,7 @@ class _Staged:
     distinct: Distinct
     pad_at: Optional[Tensor] = None
     pad_in: Optional[Tensor] = None
+    direct: bool = False
 
 
 class _Guard(torch.autograd.Function):
@@ -127,6 +129,32 @@ class _Guard(torch.autograd.Function):
             keep = (~pad_in).to(grad.dtype).view(1, 1)
             grad = grad.index_copy(0, pad_at, grad.index_select(0, pad_at) * keep)
         return grad, None, None, None, None, None
+
+
+class _Lookup(torch.autograd.Function):
+    """The staged rows at every position of a step, ``rows[d.inverse]``, whose backward sums
+    each row's gradients over the positions the step's ``Distinct`` sorted (``perm``,
+    ``starts``): a deterministic segment sum (``ops._segment_sum``), no atomics on a hot row's
+    positions and no second sort."""
+
+    @staticmethod
+    def forward(ctx, rows, d):
+        ctx.save_for_backward(d.perm, d.starts, d.count)
+        ctx.rows = rows.shape[0]
+        return F.embedding(d.inverse, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        perm, starts, count = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        return ops._segment_sum(grad.contiguous(), perm, starts, count, ctx.rows), None
+
+
+def _lookup(rows: Tensor, d: Distinct) -> Tensor:
+    """``rows[d.inverse]``, through _Lookup when a gradient may flow."""
+    if not rows.requires_grad:
+        return F.embedding(d.inverse, rows)
+    return _Lookup.apply(rows, d)
 
 
 @dataclass
@@ -367,7 +395,8 @@ class _HostRowsModule(nn.Module):
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
         plan = self._plan(tensors)
-        buf, d = self.store.stage(plan, spare)
+        direct = self._direct()
+        buf, d = self.store.stage(plan, spare, direct=direct)
         # The staged rows the optimizer and the backward see: on the CPU, where the count is
         # known without a wait, the distinct rows only (the rest would cost the optimizer's
         # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
@@ -385,12 +414,20 @@ class _HostRowsModule(nn.Module):
             self._point_at(self._no_rows)
             raise
         if self._training:
-            self._staged = _Staged(buf, d, pad_at, pad_in)
+            self._staged = _Staged(buf, d, pad_at, pad_in, direct)
         elif self.max_norm is not None:
             self.store.commit()  # nn renormalises the table under no_grad too
         else:
             self.store.discard()
         return plan, d, shapes
+
+    def _direct(self) -> bool:
+        """Whether this forward's cached rows will be updated where they live (their state is
+        then not staged and not put back: a third of the bytes for Adam's rows): a training
+        forward with the fused update, and none of the options that rewrite staged rows
+        (max_norm, padding_idx)."""
+        return (self._training and self.fused and self._fused.ready(self.optimizer)
+                and self.max_norm is None and self.padding_idx is None)
 
     def _find_padding(self, d: Distinct) -> tuple:
         """(the position of the padding row among the distinct ids, whether the step holds
@@ -512,12 +549,18 @@ class _HostRowsModule(nn.Module):
         started = state.get(_STARTED)
         first = started is not None and not bool(started)
         grad = self._rows.grad
+        cache, at = self.store.direct_target()
         if self.fused and grad is not None and not grad.is_sparse and self._fused.step(
                 self.optimizer, self._rows, staged.buf, staged.distinct.count, self.layout,
-                first_step=first):
+                first_step=first, cache=cache, at=at):
             if first:
                 started.fill_(1)
             return
+        if staged.direct and grad is not None:
+            raise RuntimeError("step(): the optimizer's hyper-parameters changed between the "
+                               "forward and step() so that its fused update cannot run (an lr "
+                               "tensor on a GPU?); the cached rows' state was left in the cache. "
+                               "Call discard() and run the step again")
         if not first or grad is None:
             self.optimizer.step()
             return
@@ -841,9 +884,7 @@ class HostEmbedding(_HostRowsModule):
     def forward(self, input, *more_input):
         plan, d, shapes = self._stage((input, *more_input))
         pad_at = self._staged.pad_at if self._staged is not None else None
-        # embedding's backward sums each row's gradients over its sorted positions (no atomics
-        # on a hot row's), where index_select's adds them one by one.
-        rows = F.embedding(d.inverse, self._lookup_rows(d.inverse, pad_at))
+        rows = _lookup(self._lookup_rows(d.inverse, pad_at), d)
         return self._outputs(rows, shapes)
 
     def _outputs(self, rows: Tensor, shapes: list):

@@ -130,10 +130,18 @@ def _sort_ids(keys: Tensor, bound: int):
 
 
 def _distinct(index: Tensor, bound: int):
-    """(ids, inverse, count) of ``index`` (1-D int64, each below ``bound``): ``ids[:count]``
-    its distinct values ascending, ``ids[count:]`` zero, ``ids[inverse[i]] == index[i]``;
-    ``count`` one int64."""
+    """(ids, inverse, count, perm, starts) of ``index`` (1-D int64, each below ``bound``):
+    ``ids[:count]`` its distinct values ascending, ``ids[count:]`` zero,
+    ``ids[inverse[i]] == index[i]``; ``count`` one int64; ``perm`` the positions sorted by
+    value (stably); distinct value r's positions are ``perm[starts[r]:starts[r + 1]]``
+    (``starts``: n + 1 entries, n from ``count`` on)."""
     return _ops._distinct.default(index, bound)
+
+
+def _segment_sum(grad: Tensor, perm: Tensor, starts: Tensor, count: Tensor, rows: int) -> Tensor:
+    """(rows, dim): row r the sum of ``grad[perm[starts[r]:starts[r + 1]]]`` for r below
+    ``count`` (one int64), zero after; deterministic (no atomics)."""
+    return _ops._segment_sum.default(grad, perm, starts, count, rows)
 
 
 def _partition(flags: Tensor):
@@ -149,11 +157,14 @@ def _cache_lookup(ids: Tensor, count: Tensor, slot_of: Tensor, freq: Tensor, scr
     return _ops._cache_lookup.default(ids, count, slot_of, freq, scratch)
 
 
-def _coldest_slots(id_of: Tensor, freq: Tensor, at: Tensor, k: int):
+def _coldest_slots(id_of: Tensor, freq: Tensor, at: Tensor, k: int,
+                   hand: Optional[Tensor] = None, window: int = 0):
     """(victims, cold): the ``k`` slots of least priority, ascending (ties: the lower slot
     first), and their priorities. Slot ``s`` (``id_of[s]``: its row, -1: none) has priority
-    ``freq[id_of[s]]``, -1 when empty, +inf when it is in ``at`` (used by this step)."""
-    return _ops._coldest_slots.default(id_of, freq, at, k)
+    ``freq[id_of[s]]``, -1 when empty, +inf when it is in ``at`` (used by this step). With
+    ``window`` > 0, only the ``window`` slots from ``hand`` (one int64 on the device) on,
+    cyclically, are candidates, and ``hand`` moves on by ``window`` (in place)."""
+    return _ops._coldest_slots.default(id_of, freq, at, k, hand, window)
 
 
 def _admission(ids: Tensor, first: Tensor, victims: Tensor, cold: Tensor, misses: Tensor,
@@ -195,16 +206,18 @@ def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
 
 
 def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[Tensor],
-                      rule: int, hyper: Sequence[float], flags: int,
-                      state_parts: Sequence[int]) -> None:
+                      rule: int, hyper: Sequence[float], flags: int, state_parts: Sequence[int],
+                      cache: Optional[Tensor] = None, at: Optional[Tensor] = None) -> None:
     """One optimizer step, in place, on the first ``count`` (one int64 on buf's device) staged
     rows of ``buf`` (parts, n, width) with their gradient ``grad`` (n, dim): torch's formula of
     ``rule`` (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW) with ``hyper`` (lr,
     weight_decay, a, b, eps) and ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first
     step), the per-element state in the parts ``state_parts``; ``step`` the step count after
-    this step's increment (Adagrad, Adam, AdamW). Math in float32 (float64 for float64 rows)."""
+    this step's increment (Adagrad, Adam, AdamW). Math in float32 (float64 for float64 rows).
+    With a row ``cache`` (parts, slots, width) and ``at`` (a slot per staged row): a row whose
+    ``at[r]`` is a slot is updated in the cache (state read there; weight read from ``buf``)."""
     _ops._fused_row_update.default(buf, grad, count, step, rule, [float(v) for v in hyper],
-                                   flags, list(state_parts))
+                                   flags, list(state_parts), cache, at)
 
 
 def set_transfer_sm_limit(sms: int) -> int:
@@ -315,7 +328,15 @@ def _sort_ids_fake(keys: Tensor, bound: int):
 @torch.library.register_fake("speedtorch_ops::_distinct")
 def _distinct_fake(index: Tensor, bound: int):
     _check_index_meta(index, "index")
-    return torch.empty_like(index), torch.empty_like(index), index.new_empty(1)
+    return (torch.empty_like(index), torch.empty_like(index), index.new_empty(1),
+            torch.empty_like(index), index.new_empty(index.shape[0] + 1))
+
+
+@torch.library.register_fake("speedtorch_ops::_segment_sum")
+def _segment_sum_fake(grad, perm, starts, count, rows: int):
+    torch._check(grad.dim() == 2 and grad.shape[0] == perm.shape[0],
+                 lambda: "grad must have one row a position of perm")
+    return grad.new_empty((rows, grad.shape[1]))
 
 
 @torch.library.register_fake("speedtorch_ops::_partition")
@@ -332,7 +353,7 @@ def _cache_lookup_fake(ids, count, slot_of, freq, scratch: int):
 
 
 @torch.library.register_fake("speedtorch_ops::_coldest_slots")
-def _coldest_slots_fake(id_of, freq, at, k: int):
+def _coldest_slots_fake(id_of, freq, at, k: int, hand=None, window: int = 0):
     torch._check(0 <= k <= id_of.shape[0], lambda: f"k must be in [0, {id_of.shape[0]}]")
     return id_of.new_empty(k), freq.new_empty(k)
 
@@ -376,7 +397,8 @@ def _age_frequencies_fake(freq, age, period: int) -> None:
 
 
 @torch.library.register_fake("speedtorch_ops::_fused_row_update")
-def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, state_parts) -> None:
+def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, state_parts, cache=None,
+                           at=None) -> None:
     torch._check(buf.dim() == 3 and grad.dim() == 2 and grad.shape[0] == buf.shape[1],
                  lambda: "grad must have buf's rows")
 

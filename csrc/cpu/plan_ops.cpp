@@ -93,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> sort_ids_cpu(const at::Tensor& keys, int64_t 
   return stable_sort_ids(keys);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& index,
-                                                            int64_t bound) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distinct_cpu(
+    const at::Tensor& index, int64_t bound) {
   check_sort_ids_args(index, "index", bound);
   check_items(index, "index");
   const int64_t n = index.numel();
@@ -102,18 +102,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cpu(const at::Tensor& in
   auto ids = at::empty({n}, index.options());
   auto inverse = at::empty({n}, index.options());
   auto count = at::empty({1}, index.options());
+  auto starts = at::empty({n + 1}, index.options());
   const int64_t* s = sorted.const_data_ptr<int64_t>();
   const int64_t* p = perm.const_data_ptr<int64_t>();
   int64_t* out = ids.mutable_data_ptr<int64_t>();
   int64_t* inv = inverse.mutable_data_ptr<int64_t>();
+  int64_t* st = starts.mutable_data_ptr<int64_t>();
   int64_t r = -1;
   for (int64_t i = 0; i < n; ++i) {
-    if (i == 0 || s[i] != s[i - 1]) out[++r] = s[i];
+    if (i == 0 || s[i] != s[i - 1]) {
+      out[++r] = s[i];
+      st[r] = i;
+    }
     inv[p[i]] = r;
   }
   std::fill(out + (r + 1), out + n, 0);  // on this thread: a zeros() of a large n is a region
+  std::fill(st + (r + 1), st + n + 1, n);
   *count.mutable_data_ptr<int64_t>() = r + 1;
-  return {ids, inverse, count};
+  return {ids, inverse, count, perm, starts};
 }
 
 std::tuple<at::Tensor, at::Tensor> partition_cpu(const at::Tensor& flags) {
@@ -159,21 +165,37 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cpu(const at::Tensor& ids, const
 
 std::tuple<at::Tensor, at::Tensor> coldest_slots_cpu(const at::Tensor& id_of,
                                                      const at::Tensor& freq, const at::Tensor& at,
-                                                     int64_t k) {
-  check_coldest_slots_args(id_of, freq, at, k);
+                                                     int64_t k,
+                                                     const c10::optional<at::Tensor>& hand,
+                                                     int64_t window) {
+  check_coldest_slots_args(id_of, freq, at, k, hand, window);
   const int64_t slots = id_of.numel();
-  auto prio = at::empty({slots}, freq.options());
+  const int64_t w = window > 0 ? window : slots;
+  int64_t* h = window > 0 ? hand->mutable_data_ptr<int64_t>() : nullptr;
+  const int64_t start = h != nullptr && slots > 0 ? ((*h % slots) + slots) % slots : 0;
+  // Candidate i is slot (start + i) mod slots.
+  auto prio = at::empty({w}, freq.options());
+  auto slot = at::empty({w}, id_of.options());
   const int64_t* id = id_of.const_data_ptr<int64_t>();
   const float* f = freq.const_data_ptr<float>();
   float* p = prio.mutable_data_ptr<float>();
+  int64_t* sl = slot.mutable_data_ptr<int64_t>();
   const int64_t rows = freq.numel();
-  for (int64_t s = 0; s < slots; ++s) p[s] = id[s] >= 0 && id[s] < rows ? f[id[s]] : -1.0f;
-  const int64_t* used = at.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < at.numel(); ++i) {
-    if (used[i] >= 0 && used[i] < slots) p[used[i]] = std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < w; ++i) {
+    const int64_t s = (start + i) % slots;
+    sl[i] = s;
+    p[i] = id[s] >= 0 && id[s] < rows ? f[id[s]] : -1.0f;
   }
-  auto [cold, victims] = at::sort(prio, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  return {victims.narrow(0, 0, k).contiguous(), cold.narrow(0, 0, k).contiguous()};
+  const int64_t* used = at.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < at.numel(); ++j) {
+    if (used[j] < 0 || used[j] >= slots) continue;
+    const int64_t i = (used[j] - start + slots) % slots;
+    if (i < w) p[i] = std::numeric_limits<float>::infinity();
+  }
+  if (h != nullptr) *h = (start + w) % slots;
+  auto [cold, order] = at::sort(prio, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto victims = slot.index_select(0, order.narrow(0, 0, k));
+  return {victims, cold.narrow(0, 0, k).contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> admission_cpu(

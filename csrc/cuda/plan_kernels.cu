@@ -22,12 +22,23 @@ __global__ void heads_kernel(const int64_t* sorted, int64_t n, int64_t* head) {
 // rank: the inclusive scan of the heads (the position in ids, plus one).
 __global__ void scatter_unique_kernel(const int64_t* sorted, const int64_t* perm,
                                       const int64_t* rank, int64_t n, int64_t* ids,
-                                      int64_t* inverse, int64_t* count) {
+                                      int64_t* inverse, int64_t* count, int64_t* starts) {
   for_each_element(n, [&](int64_t i) {
     const int64_t r = rank[i] - 1;
-    if (i == 0 || sorted[i] != sorted[i - 1]) ids[r] = sorted[i];
+    if (i == 0 || sorted[i] != sorted[i - 1]) {
+      ids[r] = sorted[i];
+      starts[r] = i;
+    }
     inverse[perm[i]] = r;
     if (i == n - 1) *count = r + 1;
+  });
+}
+
+// starts[r] = n for r in [count, n]: the segments past the distinct keys are empty.
+__global__ void end_starts_kernel(const int64_t* count, int64_t n, int64_t* starts) {
+  const int64_t from = *count;
+  for_each_element(n + 1, [&](int64_t r) {
+    if (r >= from) starts[r] = n;
   });
 }
 
@@ -66,35 +77,54 @@ __device__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The first candidate slot: *hand (wrapped into [0, slots)), 0 without a hand. Candidate i is
+// slot (start + i) mod slots.
+__device__ __forceinline__ int64_t window_start(const int64_t* hand, int64_t slots) {
+  return hand == nullptr ? 0 : ((*hand % slots) + slots) % slots;
+}
+
 __global__ void slot_priority_kernel(const int64_t* id_of, int64_t slots, const float* freq,
-                                     int64_t rows, float* prio, uint32_t* keys, int64_t* slot) {
-  for_each_element(slots, [&](int64_t s) {
-    const int64_t id = id_of[s];
+                                     int64_t rows, const int64_t* hand, int64_t window,
+                                     float* prio, uint32_t* keys, int64_t* candidate) {
+  const int64_t start = window_start(hand, slots);
+  for_each_element(window, [&](int64_t i) {
+    const int64_t id = id_of[(start + i) % slots];
     const float p = id >= 0 && id < rows ? freq[id] : -1.0f;
-    prio[s] = p;
-    keys[s] = order_key(p);
-    slot[s] = s;
+    prio[i] = p;
+    keys[i] = order_key(p);
+    candidate[i] = i;
   });
 }
 
-__global__ void exclude_used_kernel(const int64_t* at, int64_t n, int64_t slots, float* prio,
+__global__ void exclude_used_kernel(const int64_t* at, int64_t n, int64_t slots,
+                                    const int64_t* hand, int64_t window, float* prio,
                                     uint32_t* keys) {
-  for_each_element(n, [&](int64_t i) {
-    const int64_t s = at[i];
+  const int64_t start = window_start(hand, slots);
+  for_each_element(n, [&](int64_t j) {
+    const int64_t s = at[j];
     if (s >= 0 && s < slots) {
-      prio[s] = CUDART_INF_F;
-      keys[s] = order_key(CUDART_INF_F);
+      const int64_t i = (s - start + slots) % slots;
+      if (i < window) {
+        prio[i] = CUDART_INF_F;
+        keys[i] = order_key(CUDART_INF_F);
+      }
     }
   });
 }
 
-__global__ void take_coldest_kernel(const int64_t* slot_out, int64_t k, const float* prio,
-                                    int64_t* victims, float* cold) {
+__global__ void take_coldest_kernel(const int64_t* candidate, int64_t k, const float* prio,
+                                    const int64_t* hand, int64_t slots, int64_t* victims,
+                                    float* cold) {
+  const int64_t start = window_start(hand, slots);
   for_each_element(k, [&](int64_t j) {
-    const int64_t s = slot_out[j];
-    victims[j] = s;
-    cold[j] = prio[s];
+    const int64_t i = candidate[j];
+    victims[j] = (start + i) % slots;
+    cold[j] = prio[i];
   });
+}
+
+__global__ void advance_hand_kernel(int64_t* hand, int64_t window, int64_t slots) {
+  *hand = (window_start(hand, slots) + window) % slots;
 }
 
 __global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* first,
@@ -175,7 +205,8 @@ cudaError_t launch_move_rows_as(void* dst, int64_t dst_part, const void* src, in
 
 cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
                                  const int64_t* perm, int64_t* rank, int64_t n, int64_t* ids,
-                                 int64_t* inverse, int64_t* count, cudaStream_t stream) {
+                                 int64_t* inverse, int64_t* count, int64_t* starts,
+                                 cudaStream_t stream) {
   if (n > INT_MAX) return cudaErrorInvalidValue;
   if (temp == nullptr) {
     return cub::DeviceScan::InclusiveSum(nullptr, *temp_bytes, rank, rank, static_cast<int>(n),
@@ -183,6 +214,7 @@ cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* 
   }
   if (n == 0) {
     zero_kernel<<<1, 1, 0, stream>>>(count);
+    zero_kernel<<<1, 1, 0, stream>>>(starts);
     return cudaGetLastError();
   }
   heads_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(sorted, n, rank);
@@ -191,7 +223,10 @@ cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* 
   err = cub::DeviceScan::InclusiveSum(temp, *temp_bytes, rank, rank, static_cast<int>(n), stream);
   if (err != cudaSuccess) return err;
   scatter_unique_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(sorted, perm, rank, n, ids,
-                                                                inverse, count);
+                                                                inverse, count, starts);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  end_starts_kernel<<<blocks_for_elements(n + 1), kThreads, 0, stream>>>(count, n, starts);
   return cudaGetLastError();
 }
 
@@ -219,29 +254,34 @@ cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_
 
 cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
                                  int64_t slots, const float* freq, int64_t rows,
-                                 const int64_t* at, int64_t n,
-                                 int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
-                                 int64_t* slot_in, int64_t* slot_out, int64_t* victims,
-                                 float* cold, cudaStream_t stream) {
-  if (slots > INT_MAX || k > slots) return cudaErrorInvalidValue;
+                                 const int64_t* at, int64_t n, int64_t k, int64_t* hand,
+                                 int64_t window, float* prio, uint32_t* keys_in,
+                                 uint32_t* keys_out, int64_t* cand_in, int64_t* cand_out,
+                                 int64_t* victims, float* cold, cudaStream_t stream) {
+  if (slots > INT_MAX || k > window || window > slots) return cudaErrorInvalidValue;
   if (temp == nullptr) {
-    return cub::DeviceRadixSort::SortPairs(nullptr, *temp_bytes, keys_in, keys_out, slot_in,
-                                           slot_out, static_cast<int>(slots), 0, 32, stream);
+    return cub::DeviceRadixSort::SortPairs(nullptr, *temp_bytes, keys_in, keys_out, cand_in,
+                                           cand_out, static_cast<int>(window), 0, 32, stream);
   }
   if (slots == 0 || k == 0) return cudaSuccess;
-  slot_priority_kernel<<<blocks_for_elements(slots), kThreads, 0, stream>>>(id_of, slots, freq, rows,
-                                                                   prio, keys_in, slot_in);
+  slot_priority_kernel<<<blocks_for_elements(window), kThreads, 0, stream>>>(
+      id_of, slots, freq, rows, hand, window, prio, keys_in, cand_in);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (n > 0) {
-    exclude_used_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(at, n, slots, prio, keys_in);
+    exclude_used_kernel<<<blocks_for_elements(n), kThreads, 0, stream>>>(at, n, slots, hand,
+                                                                         window, prio, keys_in);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  err = cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, slot_in, slot_out,
-                                        static_cast<int>(slots), 0, 32, stream);
+  err = cub::DeviceRadixSort::SortPairs(temp, *temp_bytes, keys_in, keys_out, cand_in, cand_out,
+                                        static_cast<int>(window), 0, 32, stream);
   if (err != cudaSuccess) return err;
-  take_coldest_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(slot_out, k, prio, victims, cold);
+  take_coldest_kernel<<<blocks_for_elements(k), kThreads, 0, stream>>>(cand_out, k, prio, hand,
+                                                                       slots, victims, cold);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || hand == nullptr) return err;
+  advance_hand_kernel<<<1, 1, 0, stream>>>(hand, window, slots);
   return cudaGetLastError();
 }
 

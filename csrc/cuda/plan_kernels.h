@@ -11,10 +11,12 @@ namespace speedtorch_ops::cuda {
 
 // Given sorted keys (n, ascending) and the permutation that sorted them: ids[0:count] the
 // distinct keys ascending (ids must be zeroed by the caller), inverse[perm[i]] the position in
-// ids of sorted[i], *count the number of distinct keys. rank: n int64 of scratch. n < 2^31.
+// ids of sorted[i], *count the number of distinct keys, starts[r] (n + 1 entries) the first i
+// of distinct key r (n from r = count on). rank: n int64 of scratch. n < 2^31.
 cudaError_t launch_unique_sorted(void* temp, size_t* temp_bytes, const int64_t* sorted,
                                  const int64_t* perm, int64_t* rank, int64_t n, int64_t* ids,
-                                 int64_t* inverse, int64_t* count, cudaStream_t stream);
+                                 int64_t* inverse, int64_t* count, int64_t* starts,
+                                 cudaStream_t stream);
 
 // order: the positions i < n with flags[i] ascending, then the others descending; *count the
 // number flagged. n < 2^31.
@@ -28,17 +30,19 @@ cudaError_t launch_cache_lookup(const int64_t* ids, const int64_t* count, int64_
                                 const int32_t* slot_of, int64_t rows, float* freq,
                                 int64_t scratch, int64_t* at, bool* miss, cudaStream_t stream);
 
-// The victims of a step: prio[s] = freq[id_of[s]] for an occupied slot s < slots (id_of[s] in
-// [0, rows), freq's length), -1 for an empty one, +inf for a slot in at[0:n] (used by the step; entries >= slots are
-// ignored); victims[0:k] the k slots of least prio, ascending (ties: the lower slot first), and
-// cold[j] = prio[victims[j]]. prio (slots floats), keys_in/keys_out (slots uint32 each),
-// slot_in/slot_out (slots int64 each): scratch. slots < 2^31.
+// The victims of a step among `window` candidate slots (k <= window <= slots < 2^31): candidate
+// i is slot (start + i) mod slots, start = *hand (0 without a hand). prio[i] = freq[id_of[s]]
+// for an occupied slot s (id_of[s] in [0, rows), freq's length), -1 for an empty one, +inf for a
+// slot in at[0:n] (used by the step; entries >= slots are ignored); victims[0:k] the k
+// candidates of least prio, ascending (ties: the earlier candidate first), and cold[j] their
+// prio. Then *hand = start + window (mod slots). prio, keys_in/keys_out (window uint32 each),
+// cand_in/cand_out (window int64 each): scratch.
 cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* id_of,
                                  int64_t slots, const float* freq, int64_t rows,
-                                 const int64_t* at, int64_t n,
-                                 int64_t k, float* prio, uint32_t* keys_in, uint32_t* keys_out,
-                                 int64_t* slot_in, int64_t* slot_out, int64_t* victims,
-                                 float* cold, cudaStream_t stream);
+                                 const int64_t* at, int64_t n, int64_t k, int64_t* hand,
+                                 int64_t window, float* prio, uint32_t* keys_in,
+                                 uint32_t* keys_out, int64_t* cand_in, int64_t* cand_out,
+                                 int64_t* victims, float* cold, cudaStream_t stream);
 
 // For j < k: admit[j] = j < *misses, cold[j] finite and (unless !by_frequency) freq[r] >=
 // cold[j] for the miss r = ids[first[j]]; the row held by victims[j] (old) is evicted when admit[j]

@@ -33,8 +33,8 @@ std::tuple<at::Tensor, at::Tensor> sort_ids_cuda(const at::Tensor& keys, int64_t
   return cuda_impl::sort_rows(keys, std::nullopt, bound);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cuda(const at::Tensor& index,
-                                                             int64_t bound) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distinct_cuda(
+    const at::Tensor& index, int64_t bound) {
   check_sort_ids_args(index, "index", bound);
   check_items(index, "index");
   const c10::cuda::CUDAGuard guard(index.device());
@@ -42,18 +42,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> distinct_cuda(const at::Tensor& i
   auto ids = at::zeros({n}, index.options());
   auto inverse = at::empty({n}, index.options());
   auto count = at::empty({1}, index.options());
+  auto starts = at::empty({n + 1}, index.options());
   auto [sorted, perm] = cuda_impl::sort_rows(index, std::nullopt, bound);
   auto rank = at::empty({n}, index.options());
   size_t bytes = 0;
   C10_CUDA_CHECK(cuda::launch_unique_sorted(nullptr, &bytes, nullptr, nullptr, nullptr, n,
-                                            nullptr, nullptr, nullptr, stream_of(index)));
+                                            nullptr, nullptr, nullptr, nullptr, stream_of(index)));
   auto temp = scratch(bytes, index);
   C10_CUDA_CHECK(cuda::launch_unique_sorted(
       temp.mutable_data_ptr(), &bytes, sorted.const_data_ptr<int64_t>(),
       perm.const_data_ptr<int64_t>(), rank.mutable_data_ptr<int64_t>(), n,
       ids.mutable_data_ptr<int64_t>(), inverse.mutable_data_ptr<int64_t>(),
-      count.mutable_data_ptr<int64_t>(), stream_of(index)));
-  return {ids, inverse, count};
+      count.mutable_data_ptr<int64_t>(), starts.mutable_data_ptr<int64_t>(), stream_of(index)));
+  return {ids, inverse, count, perm, starts};
 }
 
 std::tuple<at::Tensor, at::Tensor> partition_cuda(const at::Tensor& flags) {
@@ -91,23 +92,27 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cuda(const at::Tensor& ids, cons
 
 std::tuple<at::Tensor, at::Tensor> coldest_slots_cuda(const at::Tensor& id_of,
                                                       const at::Tensor& freq, const at::Tensor& at,
-                                                      int64_t k) {
-  check_coldest_slots_args(id_of, freq, at, k);
+                                                      int64_t k,
+                                                      const c10::optional<at::Tensor>& hand,
+                                                      int64_t window) {
+  check_coldest_slots_args(id_of, freq, at, k, hand, window);
   const c10::cuda::CUDAGuard guard(id_of.device());
   const int64_t slots = id_of.numel();
+  const int64_t w = window > 0 ? window : slots;
+  int64_t* hand_ptr = window > 0 ? hand->mutable_data_ptr<int64_t>() : nullptr;
   auto victims = at::empty({k}, id_of.options());
   auto cold = at::empty({k}, freq.options());
-  auto prio = at::empty({slots}, freq.options());
-  auto keys = at::empty({2, slots}, id_of.options().dtype(at::kInt));  // uint32 bits
-  auto slot = at::empty({2, slots}, id_of.options());
+  auto prio = at::empty({w}, freq.options());
+  auto keys = at::empty({2, w}, id_of.options().dtype(at::kInt));  // uint32 bits
+  auto cand = at::empty({2, w}, id_of.options());
   auto* keys_in = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
   size_t bytes = 0;
   const auto go = [&](void* temp) {
     return cuda::launch_coldest_slots(
         temp, &bytes, id_of.const_data_ptr<int64_t>(), slots, freq.const_data_ptr<float>(),
-        freq.numel(), at.const_data_ptr<int64_t>(), at.numel(), k, prio.mutable_data_ptr<float>(), keys_in,
-        keys_in + slots, slot.mutable_data_ptr<int64_t>(),
-        slot.mutable_data_ptr<int64_t>() + slots, victims.mutable_data_ptr<int64_t>(),
+        freq.numel(), at.const_data_ptr<int64_t>(), at.numel(), k, hand_ptr, w,
+        prio.mutable_data_ptr<float>(), keys_in, keys_in + w, cand.mutable_data_ptr<int64_t>(),
+        cand.mutable_data_ptr<int64_t>() + w, victims.mutable_data_ptr<int64_t>(),
         cold.mutable_data_ptr<float>(), stream_of(id_of));
   };
   C10_CUDA_CHECK(go(nullptr));

@@ -1,8 +1,7 @@
 // The fused optimizer update's kernel (fused_update.h). Free of torch headers.
 #include "fused_update.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "floats.cuh"
 
 #include <algorithm>
 
@@ -11,24 +10,6 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kUpdateThreads = 256;
-
-template <class V> struct Math { using type = float; };
-template <> struct Math<double> { using type = double; };
-
-template <class V> __device__ __forceinline__ typename Math<V>::type load(const V* p) {
-  return static_cast<typename Math<V>::type>(*p);
-}
-template <> __device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
-template <> __device__ __forceinline__ float load(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
-}
-template <class V, class T> __device__ __forceinline__ void store(V* p, T v) {
-  *p = static_cast<V>(v);
-}
-template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
-template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16(v);
-}
 
 template <class T> __device__ __forceinline__ T warp_sum(T v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -41,14 +22,25 @@ struct Parts {
   int count;
 };
 
+// Where a row's updated values go: its cache slot when the step left it there (`at` names a
+// slot of `cache`), else its staged row.
+struct Target {
+  void* cache;           // nullptr: every row lives in buf
+  int64_t cache_stride;  // elements between the cache's parts
+  int64_t slots;
+  const int64_t* at;
+  int64_t at_len;
+};
+
 // One warp a row: its lanes stride over the row's columns. A row-wise accumulator takes the
-// mean of the row's squared gradients (a warp reduction) before the weights move.
+// mean of the row's squared gradients (a warp reduction) before the weights move. The weight
+// (and a row-wise accumulator) is read from the staged row; the per-element state from where
+// the row lives; all of it is written there.
 template <class V>
 __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, int64_t width,
-                                        int64_t dim,
-                                        const V* grad, const int64_t* count, optim::Rule rule,
-                                        optim::Hyper h, const void* step, bool step_f64,
-                                        Parts parts) {
+                                        int64_t dim, const V* grad, const int64_t* count,
+                                        optim::Rule rule, optim::Hyper h, const void* step,
+                                        bool step_f64, Parts parts, Target target) {
   using T = typename Math<V>::type;
   if (step != nullptr) {
     const double s = step_f64 ? *static_cast<const double*>(step)
@@ -61,8 +53,17 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
   const bool momentum = rule == optim::Rule::kSgd && parts.count > 0;
   for (int64_t r = blockIdx.x * int64_t{blockDim.x / kWarp} + threadIdx.x / kWarp; r < rows;
        r += warps) {
-    V* w_row = buf + r * width;
+    const V* w_row = buf + r * width;
     const V* g_row = grad + r * dim;
+    V* home = buf + r * width;  // part 0 of where the row lives
+    int64_t stride = part_stride;
+    if (target.cache != nullptr && r < target.at_len) {
+      const int64_t s = target.at[r];
+      if (s >= 0 && s < target.slots) {
+        home = static_cast<V*>(target.cache) + s * width;
+        stride = target.cache_stride;
+      }
+    }
     T row_sum = 0;
     if (rule == optim::Rule::kRowWiseAdagrad) {
       T sq = 0;
@@ -72,16 +73,17 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
       }
       sq = warp_sum(sq);
       row_sum = load(w_row + dim) + sq / static_cast<T>(dim);
-      if (lane == 0) store(w_row + dim, row_sum);
+      __syncwarp();
+      if (lane == 0) store(home + dim, row_sum);
     }
     for (int64_t j = lane; j < dim; j += kWarp) {
       T w = load(w_row + j);
       const T g = optim::effective_grad(load(g_row + j), w, h, rule);
       T s[3];
-      for (int k = 0; k < parts.count; ++k) s[k] = load(buf + parts.part[k] * part_stride + r * width + j);
+      for (int k = 0; k < parts.count; ++k) s[k] = load(home + parts.part[k] * stride + j);
       optim::update(rule, h, g, w, s, momentum, row_sum);
-      store(w_row + j, w);
-      for (int k = 0; k < parts.count; ++k) store(buf + parts.part[k] * part_stride + r * width + j, s[k]);
+      store(home + j, w);
+      for (int k = 0; k < parts.count; ++k) store(home + parts.part[k] * stride + j, s[k]);
     }
   }
 }
@@ -91,7 +93,9 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
 cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t part_stride,
                                     int64_t width, int64_t dim, const void* grad, const int64_t* count, optim::Rule rule,
                                     optim::Hyper h, const void* step, bool step_f64,
-                                    const int* state_part, int states, cudaStream_t stream) {
+                                    const int* state_part, int states, void* cache,
+                                    int64_t cache_stride, int64_t slots, const int64_t* at,
+                                    int64_t at_len, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (states < 0 || states > 3) return cudaErrorInvalidValue;
   Parts parts{{0, 0, 0}, states};
@@ -101,17 +105,11 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
   const auto go = [&](auto zero) {
     using V = decltype(zero);
     fused_row_update_kernel<V><<<blocks, kUpdateThreads, 0, stream>>>(
-        static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count, rule, h, step,
-        step_f64, parts);
+        static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count, rule,
+        h, step, step_f64, parts, Target{cache, cache_stride, slots, at, at_len});
     return cudaGetLastError();
   };
-  switch (elem) {
-    case Elem::kF32: return go(float{});
-    case Elem::kF64: return go(double{});
-    case Elem::kF16: return go(__half{});
-    case Elem::kBF16: return go(__nv_bfloat16{});
-    default: return cudaErrorInvalidValue;
-  }
+  return with_float_elem(elem, go);
 }
 
 }  // namespace speedtorch_ops::cuda

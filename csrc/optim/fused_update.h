@@ -17,10 +17,15 @@ namespace speedtorch_ops::cuda {
 // and its state: per-element state k in part state_part[k] (k < states), the row-wise
 // accumulator at part 0, column dim. Math in float (double for F64). h's step-dependent
 // constants come from *step (a float or double on the device, after this step's increment)
-// when step != nullptr, else as given.
+// when step != nullptr, else as given. With a cache (parts cache_stride apart, `slots` rows of
+// width): a row r < at_len whose at[r] is a slot lives there: its per-element state is read there and
+// its weight and state are written there (the weight, and a row-wise accumulator, are read
+// from the staged row, which holds them).
 cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t part_stride,
                                     int64_t width, int64_t dim, const void* grad, const int64_t* count, optim::Rule rule,
                                     optim::Hyper h, const void* step, bool step_f64,
-                                    const int* state_part, int states, cudaStream_t stream);
+                                    const int* state_part, int states, void* cache,
+                                    int64_t cache_stride, int64_t slots, const int64_t* at,
+                                    int64_t at_len, cudaStream_t stream);
 
 }  // namespace speedtorch_ops::cuda

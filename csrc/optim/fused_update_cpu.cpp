@@ -19,8 +19,11 @@ namespace {
 void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                           const c10::optional<at::Tensor>& step, int64_t rule_arg,
                           at::ArrayRef<double> hyper, int64_t flags,
-                          at::ArrayRef<int64_t> state_parts) {
-  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts);
+                          at::ArrayRef<int64_t> state_parts,
+                          const c10::optional<at::Tensor>& cache,
+                          const c10::optional<at::Tensor>& at) {
+  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts, cache,
+                          at);
   const auto rule = static_cast<optim::Rule>(rule_arg);
   optim::Hyper h = optim::make_hyper(hyper, flags);
   if (step.has_value()) optim::derive(h, rule, step->item<double>());
@@ -35,11 +38,23 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
     using T = at::opmath_type<scalar_t>;
     scalar_t* base = buf.mutable_data_ptr<scalar_t>();
     const scalar_t* g_base = grad.const_data_ptr<scalar_t>();
+    scalar_t* c_base = cache.has_value() ? cache->mutable_data_ptr<scalar_t>() : nullptr;
+    const int64_t c_stride = cache.has_value() ? cache->stride(0) : 0;
+    const int64_t slots = cache.has_value() ? cache->size(1) : 0;
+    const int64_t* slot_at = at.has_value() ? at->const_data_ptr<int64_t>() : nullptr;
+    const int64_t at_len = at.has_value() ? at->numel() : 0;
     const int64_t row_bytes = (1 + states) * dim * static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, rows, grain_for(rows, row_bytes, 256), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        scalar_t* w_row = base + r * width;
+        const scalar_t* w_row = base + r * width;
         const scalar_t* g_row = g_base + r * dim;
+        // Where the row lives: its cache slot, else its staged row (part 0; parts `stride` apart).
+        scalar_t* home = base + r * width;
+        int64_t stride = part_stride;
+        if (c_base != nullptr && r < at_len && slot_at[r] >= 0 && slot_at[r] < slots) {
+          home = c_base + slot_at[r] * width;
+          stride = c_stride;
+        }
         T row_sum = 0;
         if (rule == optim::Rule::kRowWiseAdagrad) {
           T sq = 0;
@@ -48,18 +63,16 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
             sq += g * g;
           }
           row_sum = static_cast<T>(w_row[dim]) + sq / static_cast<T>(dim);
-          w_row[dim] = static_cast<scalar_t>(row_sum);
+          home[dim] = static_cast<scalar_t>(row_sum);
         }
         for (int64_t j = 0; j < dim; ++j) {
           T w = w_row[j];
           const T g = optim::effective_grad<T>(g_row[j], w, h, rule);
           T s[3] = {0, 0, 0};
-          for (int k = 0; k < states; ++k) s[k] = base[parts[k] * part_stride + r * width + j];
+          for (int k = 0; k < states; ++k) s[k] = home[parts[k] * stride + j];
           optim::update<T>(rule, h, g, w, s, momentum, row_sum);
-          w_row[j] = static_cast<scalar_t>(w);
-          for (int k = 0; k < states; ++k) {
-            base[parts[k] * part_stride + r * width + j] = static_cast<scalar_t>(s[k]);
-          }
+          home[j] = static_cast<scalar_t>(w);
+          for (int k = 0; k < states; ++k) home[parts[k] * stride + j] = static_cast<scalar_t>(s[k]);
         }
       }
     });

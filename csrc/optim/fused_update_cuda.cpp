@@ -18,8 +18,11 @@ namespace {
 void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                            const c10::optional<at::Tensor>& step, int64_t rule_arg,
                            at::ArrayRef<double> hyper, int64_t flags,
-                           at::ArrayRef<int64_t> state_parts) {
-  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts);
+                           at::ArrayRef<int64_t> state_parts,
+                           const c10::optional<at::Tensor>& cache,
+                           const c10::optional<at::Tensor>& at) {
+  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts, cache,
+                          at);
   const c10::cuda::CUDAGuard guard(buf.device());
   const auto rule = static_cast<optim::Rule>(rule_arg);
   optim::Hyper h = optim::make_hyper(hyper, flags);
@@ -37,6 +40,9 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
       cuda_impl::elem_of(buf.scalar_type()), buf.mutable_data_ptr(), buf.size(1), buf.stride(0),
       buf.size(2), grad.size(1), grad.const_data_ptr(), count.const_data_ptr<int64_t>(), rule, h,
       step_ptr, step_f64, parts, static_cast<int>(state_parts.size()),
+      cache.has_value() ? cache->mutable_data_ptr() : nullptr,
+      cache.has_value() ? cache->stride(0) : 0, cache.has_value() ? cache->size(1) : 0,
+      at.has_value() ? at->const_data_ptr<int64_t>() : nullptr, at.has_value() ? at->numel() : 0,
       at::cuda::getCurrentCUDAStream(buf.device().index())));
 }
 

@@ -103,13 +103,15 @@ class _SmCap:
 class Distinct:
     """The distinct ids of a plan (each below `rows`), on its device, in fixed shapes:
     ``ids[:count]`` ascending, ``ids[count:]`` zero; ``inverse[i]`` the position in ``ids`` of
-    the plan's i-th id."""
+    the plan's i-th id; the plan's positions of ``ids[r]`` are ``perm[starts[r]:starts[r+1]]``
+    (a lookup's backward sums its gradients there: ``ops._segment_sum``)."""
 
     @_phase
     def __init__(self, plan: Plan, rows: int):
         index = plan.index
         self.n = len(plan)
-        self.ids, self.inverse, self.count = ops._distinct(index, max(rows, 1))
+        (self.ids, self.inverse, self.count, self.perm,
+         self.starts) = ops._distinct(index, max(rows, 1))
         self.positions = torch.arange(self.n, device=index.device)
         self.valid = self.positions < self.count
 
@@ -151,13 +153,15 @@ class Staged(NamedTuple):
     """A stage's rows, kept for its commit: the distinct ids, the buffer (parts, n, *row); in
     the cache also each row's slot (``at``: the slot past the cache for a miss), the staged
     positions with the misses first (``order``), how many misses (``misses``, on the device)
-    and the admission decisions (``victims``)."""
+    and the admission decisions (``victims``); ``direct``: the hits are updated in their slots
+    (``direct_target``), so only their weight part was staged and none is put back."""
     distinct: "Distinct"
     buf: Tensor
     at: Optional[Tensor] = None
     order: Optional[Tensor] = None
     misses: Optional[Tensor] = None
     victims: Optional[Victims] = None
+    direct: bool = False
 
 
 class Carry:
@@ -219,12 +223,14 @@ class HostRows:
                              bounds_check=_NO_WAIT, sms=sms)
 
     @_phase
-    def stage(self, plan: Plan, spare: int = 0) -> tuple:
+    def stage(self, plan: Plan, spare: int = 0, direct: bool = False) -> tuple:
         """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
         Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
         optimizer that reduces over the whole buffer would see them); ``spare`` rows past the
         plan's are the caller's (a bag's padding entries point there). On the CPU the buffer is
-        the store's own, and the next stage reuses it (``_stage_buffer``)."""
+        the store's own, and the next stage reuses it (``_stage_buffer``). ``direct`` (the
+        caller updates the rows with ``direct_target``): a cache stages only the weight part of
+        its hits and updates them in their slots; this store has none, so it changes nothing."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
         carried = self._take_carry(buf, d, d.valid)
@@ -236,6 +242,11 @@ class HostRows:
         self.stats[Stat.HOST_LOADS] += d.count[0]
         self._staged = Staged(d, buf)
         return buf, d
+
+    def direct_target(self) -> tuple:
+        """(cache, at) for a fused update of the staged step's rows where they live (see
+        ``ops._fused_row_update``), or (None, None) when every row lives in the buffer."""
+        return None, None
 
     def _begin_stage(self, plan: Plan) -> "Distinct":
         """What every stage does first: check the ids, note a capture, join the prefetch (its
@@ -396,6 +407,12 @@ class CachedRows(HostRows):
 
     lane_sms = _SmCap(_LANE_SMS)
     write_sms = _SmCap(_WRITE_SMS)
+    # A step's victims are the coldest unused slots among the next max(2 k, victim_sample)
+    # slots of a cyclic hand (k: the step's ids), every slot when that covers the cache: LFU by
+    # sampling, so a step's cost follows its ids, not the cache's size; sorting every slot's
+    # count each step cost more than the rest of the step in a large cache (docs/decisions.md,
+    # "Victims by sampling").
+    victim_sample = 1 << 16
 
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
                  overlap: bool = True, lane_sms: int = _LANE_SMS, write_sms: int = _WRITE_SMS,
@@ -438,6 +455,8 @@ class CachedRows(HostRows):
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
         # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
         self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Where the next step's victim candidates start (see victim_sample), on the device.
+        self._hand = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     @property
     def admission(self) -> str:
@@ -463,7 +482,7 @@ class CachedRows(HostRows):
         return self.slot_of[ids] >= 0
 
     @_phase
-    def stage(self, plan: Plan, spare: int = 0) -> tuple:
+    def stage(self, plan: Plan, spare: int = 0, direct: bool = False) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
         # Hits from the cache (every other entry names the slot past its end), misses from the
@@ -483,8 +502,12 @@ class CachedRows(HostRows):
         self._lane_uses = [d, at, order, misses, victims]
         buf = self._buffer(d.n + spare)
         # The hits' rows only (a miss's `at` is past the cache), not every position as an
-        # index_select would.
-        ops._take_rows(buf, self.cache, at, d.count)
+        # index_select would; direct: their weight part only (the update reads their state in
+        # the cache and writes them there).
+        if direct:
+            ops._take_rows(buf[:1], self.cache[:1], at, d.count)
+        else:
+            ops._take_rows(buf, self.cache, at, d.count)
         # The misses no prefetch loaded, on this stream (it needs them next), capped like the
         # lane's loads: they share the link with the evictions. No row is in both: a miss is not
         # cached, an evicted row is.
@@ -494,8 +517,14 @@ class CachedRows(HostRows):
                        sms=self._lane_sms)
         else:
             self._load(buf, d, miss & ~carried, sms=self._lane_sms)
-        self._staged = Staged(d, buf, at, order, misses, victims)
+        self._staged = Staged(d, buf, at, order, misses, victims, direct)
         return buf, d
+
+    def direct_target(self) -> tuple:
+        staged = self._staged
+        if staged is None or not staged.direct:
+            return None, None
+        return self.cache, staged.at
 
     @_phase
     def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> Victims:
@@ -507,7 +536,9 @@ class CachedRows(HostRows):
         after the lane joins."""
         k = min(d.n, self.slots)
         # Coldest first; slots holding rows of this step (`at`) cannot be victims.
-        victims, cold = ops._coldest_slots(self.id_of, self.freq, at, k)
+        window = max(2 * k, self.victim_sample)
+        window = 0 if window >= self.slots else window  # 0: every slot
+        victims, cold = ops._coldest_slots(self.id_of, self.freq, at, k, self._hand, window)
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         # A miss takes a slot this step does not use (finite priority), with "frequency" only
         # one whose row is used at most as often as the miss; the rows such slots held are
@@ -522,7 +553,7 @@ class CachedRows(HostRows):
 
     @_phase
     def commit(self) -> None:
-        d, buf, at, order, misses, (victims, first, admit, evicted) = self._take()
+        d, buf, at, order, misses, (victims, first, admit, evicted), direct = self._take()
         self._join()  # the evicted rows are on the host: their slots can be overwritten
         self.stats[Stat.EVICTIONS] += evicted[0]
         k = first.numel()
@@ -542,6 +573,8 @@ class CachedRows(HostRows):
         # misses their victim's, the rest none (the slot past the cache: not moved); one call
         # puts them all back.
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
+        if direct:  # the hits were updated in their slots: only admitted misses move
+            dest = torch.where(at < self.slots, self.slots, dest)
         ops._put_rows(self.cache, buf, dest, d.count)
         self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).

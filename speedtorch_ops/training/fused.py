@@ -80,13 +80,20 @@ class FusedUpdate(NamedTuple):
         values = (lr, wd, a, b, eps)
         return None if any(v is None for v in values) else values
 
+    def ready(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``step`` would run now (its hyper-parameters are host numbers)."""
+        return self.hyper(optimizer.param_groups[0]) is not None
+
     def step(self, optimizer: torch.optim.Optimizer, param: Tensor, buf: Tensor, count: Tensor,
-             layout: RowLayout, first_step: bool = False) -> bool:
+             layout: RowLayout, first_step: bool = False, cache: Optional[Tensor] = None,
+             at: Optional[Tensor] = None) -> bool:
         """One fused step of `optimizer` on the staged rows `buf` (parts, n, width) whose
         weight `param` is (its parameter, gradient set), the first `count` rows (one int64 on
         buf's device) only; the step count (Adam, Adagrad) rises by one as torch's would.
-        `first_step`: SGD's momentum buffer takes the gradient (torch's first step). Returns
-        False, changing nothing, when the group's hyper-parameters are not all host numbers."""
+        `first_step`: SGD's momentum buffer takes the gradient (torch's first step). With a row
+        `cache` and `at` (a slot per staged row), the rows cached there are updated there.
+        Returns False, changing nothing, when the group's hyper-parameters are not all host
+        numbers."""
         group = optimizer.param_groups[0]
         hyper = self.hyper(group)
         if hyper is None:
@@ -105,5 +112,5 @@ class FusedUpdate(NamedTuple):
             step += 1  # in place: a kept tensor (a captured step's replays count on)
         grad = param.grad
         ops._fused_row_update(buf, grad if grad.is_contiguous() else grad.contiguous(), count,
-                              step, self.rule, hyper, flags, parts)
+                              step, self.rule, hyper, flags, parts, cache, at)
         return True

@@ -48,7 +48,7 @@ def test_distinct_matches_unique(device, n, bound):
     distinct = max(1, min(bound, n // 3))
     index = torch.randint(0, distinct, (n,), generator=gen(7 * n + 1), dtype=torch.int64)
     index *= max(1, bound // distinct)
-    ids, inverse, count = ops._distinct(index.to(dev), bound)
+    ids, inverse, count, *_ = ops._distinct(index.to(dev), bound)
     want, want_inverse = torch.unique(index, sorted=True, return_inverse=True)
     c = want.numel()
     assert count.shape == (1,) and int(count) == c
@@ -116,6 +116,86 @@ def test_coldest_slots(device, slots, n, k):
     want = np.argsort(prio, kind="stable")[:k]
     assert np.array_equal(victims.cpu().numpy(), want)
     assert np.array_equal(cold.cpu().numpy(), prio[want].astype(np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots,n,k,window,hand", [(50, 20, 10, 10, 0), (50, 20, 10, 30, 45),
+                                                   (70_000, 9000, 9000, 20_000, 65_000),
+                                                   (1000, 0, 5, 1000, 999)])
+def test_coldest_slots_in_a_window(device, slots, n, k, window, hand):
+    """Only the window's slots from the hand on (cyclically) are candidates; the hand moves on
+    by the window, twice in a row."""
+    dev = device_of(device)
+    rows = 100_000
+    g = gen(slots + n + k + window + hand)
+    id_of = torch.randperm(rows, generator=g)[:slots]
+    id_of[torch.rand(slots, generator=g) < 0.2] = -1
+    freq = torch.randint(0, 30, (rows,), generator=g).float()
+    at = torch.randint(0, slots + 1, (n,), generator=g)
+    h = torch.tensor([hand], device=dev)
+    prio = np.where(id_of.numpy() >= 0, freq.numpy()[id_of.clamp(min=0).numpy()], -1.0)
+    prio[at.numpy()[at.numpy() < slots]] = np.inf
+    start = hand
+    for _ in range(2):
+        victims, cold = ops._coldest_slots(id_of.to(dev), freq.to(dev), at.to(dev), k, h, window)
+        candidates = (start + np.arange(window)) % slots
+        want = candidates[np.argsort(prio[candidates], kind="stable")[:k]]
+        assert np.array_equal(victims.cpu().numpy(), want)
+        assert np.array_equal(cold.cpu().numpy(), prio[want].astype(np.float32))
+        start = (start + window) % slots
+        assert int(h) == start
+    with pytest.raises(RuntimeError, match="window must be in"):
+        ops._coldest_slots(id_of.to(dev), freq.to(dev), at.to(dev), k, h, k - 1 if k else -1)
+    if k:
+        with pytest.raises(RuntimeError, match="hand is required"):
+            ops._coldest_slots(id_of.to(dev), freq.to(dev), at.to(dev), k, None, window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,distinct,dim", [(0, 1, 4), (1, 1, 3), (37, 5, 1), (5000, 700, 33),
+                                            (40_000, 50, 128)])
+def test_segment_sum_sums_each_rows_positions(device, dtype, n, distinct, dim):
+    """_distinct's perm and starts, and _segment_sum over them, against index_add_ in float64:
+    hot rows span many chunks of the CUDA kernel (a fifth of the positions on one row)."""
+    dev = device_of(device)
+    g = gen(n * 7 + distinct + dim)
+    index = torch.randint(0, distinct, (n,), generator=g)
+    index[torch.rand(n, generator=g) < 0.2] = 0  # one hot row
+    index *= 3  # ids with gaps
+    ids, inverse, count, perm, starts = ops._distinct(index.to(dev), 3 * distinct + 1)
+    c = int(count)
+    want_ids = torch.unique(index)
+    assert torch.equal(ids.cpu()[:c], want_ids)
+    assert perm.shape == (n,) and starts.shape == (n + 1,)
+    assert torch.equal(index[perm.cpu()], torch.sort(index, stable=True).values)
+    assert torch.equal(perm.cpu(), torch.sort(index, stable=True).indices)
+    assert (starts.cpu()[c:] == n).all()
+    grad = torch.randn(n, dim, generator=g, dtype=torch.float64)
+    rows = n + 2
+    out = ops._segment_sum(grad.to(dtype).to(dev), perm, starts, count, rows)
+    want = torch.zeros(rows, dim, dtype=torch.float64).index_add_(
+        0, inverse.cpu(), grad.to(dtype).double())
+    tol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 2e-2,
+           torch.float16: 5e-3}[dtype]
+    scale = want.abs().amax(1, keepdim=True).clamp(min=1)
+    assert out.shape == (rows, dim) and out.dtype == dtype
+    assert torch.allclose(out.double().cpu() / scale, want / scale, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_segment_sum_names_bad_arguments(device):
+    dev = device_of(device)
+    grad = torch.zeros(4, 3, device=dev)
+    perm, starts = torch.arange(4, device=dev), torch.tensor([0, 4, 4, 4, 4], device=dev)
+    count = torch.ones(1, dtype=torch.int64, device=dev)
+    for args, message in [((grad.int(), perm, starts, count, 4), "grad must be float"),
+                          ((grad, perm[:3], starts, count, 4), "perm must have one entry"),
+                          ((grad, perm, starts[:0], count, 4), "starts must hold"),
+                          ((grad, perm, starts, count.view(()).expand(2), 4), "count"),
+                          ((grad, perm, starts, count, -1), "rows must be")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops._segment_sum(*args)
 
 
 @pytest.mark.parametrize("device", DEVICES)

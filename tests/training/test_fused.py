@@ -150,3 +150,55 @@ def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
             ops._fused_row_update(args["buf"], args["grad"], args["count"], args["step"],
                                   args["rule"], args["hyper"], args["flags"], args["parts"])
         assert torch.equal(buf, before), change
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule,parts", [(fused.ADAM, [1, 2]), (fused.ROWWISE_ADAGRAD, []),
+                                        (fused.SGD, [1])])
+def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
+    """With a cache and a slot per staged row, a cached row's state is read from its slot and
+    its weight and state written there (the weight read from the staged row); a row without a
+    slot is updated in the buffer: the same values as updating a buffer that held every row."""
+    n, width, slots = 8, 5, 6
+    nparts = 3
+    whole = torch.randn(nparts, n, width, generator=gen, dtype=torch.float64)
+    whole[2].abs_()
+    whole[0, :, 4].abs_()  # RowWiseAdagrad's accumulator
+    grad = torch.randn(n, 4, generator=gen, dtype=torch.float64)
+    at = torch.tensor([3, slots, 0, 5, slots, slots, 1, 2])  # slots, or past the cache: staged
+    cache = torch.randn(nparts, slots, width, generator=gen, dtype=torch.float64)
+    buf = torch.randn(nparts, n, width, generator=gen, dtype=torch.float64)
+    for r in range(n):
+        buf[0, r] = whole[0, r]  # the weight part is staged for every row
+        if int(at[r]) < slots:
+            cache[:, int(at[r])] = whole[:, r]
+        else:
+            buf[:, r] = whole[:, r]
+    count = torch.tensor([7])
+    step = torch.tensor(2.0)
+    hyper = (0.1, 0.01, 0.9, 0.999, 1e-8) if rule != fused.SGD else (0.1, 0.01, 0.9, 0.1, 0.0)
+    ops._fused_row_update(whole, grad, count, step, rule, hyper, 0, parts)
+    dev = torch.device(device)
+    buf_d, cache_d = buf.to(dev), cache.to(dev)
+    cache_before = cache.clone()
+    ops._fused_row_update(buf_d, grad.to(dev), count.to(dev), step, rule, hyper, 0, parts,
+                          cache_d, at.to(dev))
+    buf_d, cache_d = buf_d.cpu(), cache_d.cpu()
+    touched = set()
+    for r in range(7):
+        s = int(at[r])
+        got = cache_d[:, s] if s < slots else buf_d[:, r]
+        if s < slots:
+            touched.add(s)
+        assert torch.allclose(got[0, :4], whole[0, r, :4], rtol=1e-12, atol=1e-14), r
+        for p in parts:
+            assert torch.allclose(got[p, :4], whole[p, r, :4], rtol=1e-12, atol=1e-14), (r, p)
+        if rule == fused.ROWWISE_ADAGRAD:
+            assert torch.allclose(got[0, 4], whole[0, r, 4], rtol=1e-12), r
+    for s in set(range(slots)) - touched:  # row 7 is past the count; others untouched
+        assert torch.equal(cache_d[:, s], cache_before[:, s]), s
+    with pytest.raises(RuntimeError, match="cache and at go together"):
+        ops._fused_row_update(buf_d, grad, count, step, rule, hyper, 0, parts, cache_d, None)
+    with pytest.raises(RuntimeError, match="cache must be"):
+        ops._fused_row_update(buf_d, grad, count, step, rule, hyper, 0, parts, cache_d[:2],
+                              at)

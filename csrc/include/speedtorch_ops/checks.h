@@ -150,7 +150,9 @@ void check_cache_lookup_args(const at::Tensor& ids, const at::Tensor& count,
 // _coldest_slots: id_of (at most 2^31 - 1 slots) and at 1-D int64, freq 1-D float32, all
 // contiguous on one device; 0 <= k <= id_of's length.
 void check_coldest_slots_args(const at::Tensor& id_of, const at::Tensor& freq,
-                              const at::Tensor& at, int64_t k);
+                              const at::Tensor& at, int64_t k,
+                              const c10::optional<at::Tensor>& hand = c10::nullopt,
+                              int64_t window = 0);
 // _admission: ids, first, victims 1-D int64, cold and freq 1-D float32, misses one int64,
 // id_of 1-D int64; first, victims and cold of one length; all contiguous on one device.
 void check_admission_args(const at::Tensor& ids, const at::Tensor& first,
@@ -176,10 +178,20 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
 // the row-wise rule, whose accumulator sits at column dim); count one int64 on buf's device;
 // rule a Rule; hyper 5 values; flags the Flag bits; state_parts at most 3 distinct parts in
 // [1, parts); step a float32/float64 scalar on the CPU or buf's device, required by the rules
-// that count steps (Adagrad, Adam, AdamW). Returns the rule.
+// that count steps (Adagrad, Adam, AdamW); cache and at together or neither: cache buf's
+// dtype, device, parts and width, each part contiguous, at 1-D int64 on buf's device, neither
+// overlapping buf. Returns the rule.
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> state_parts);
+                                c10::ArrayRef<int64_t> state_parts,
+                                const c10::optional<at::Tensor>& cache = c10::nullopt,
+                                const c10::optional<at::Tensor>& at = c10::nullopt);
+
+// _segment_sum: grad (n, dim) floating (float32, float64, float16, bfloat16), contiguous; perm
+// 1-D int64 of n entries, starts 1-D int64 of at least 1, count one int64, all contiguous on
+// grad's device; rows >= 0.
+void check_segment_sum_args(const at::Tensor& grad, const at::Tensor& perm,
+                            const at::Tensor& starts, const at::Tensor& count, int64_t rows);
 
 }  // namespace speedtorch_ops

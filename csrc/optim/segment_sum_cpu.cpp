@@ -1,0 +1,58 @@
+// _segment_sum on the CPU (registration.cpp has the contract): each output row sums its
+// segment's positions in order (the order index_add_ would add them), rows split over threads.
+#include "speedtorch_ops/checks.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace speedtorch_ops {
+namespace {
+
+at::Tensor segment_sum_cpu(const at::Tensor& grad, const at::Tensor& perm,
+                           const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
+  check_segment_sum_args(grad, perm, starts, count, rows);
+  const int64_t dim = grad.size(1), n_pos = grad.size(0), n_seg = starts.numel() - 1;
+  auto out = at::empty({rows, dim}, grad.options());
+  const int64_t live = std::clamp<int64_t>(count.item<int64_t>(), 0, std::min(rows, n_seg));
+  const int64_t* p = perm.const_data_ptr<int64_t>();
+  const int64_t* st = starts.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "segment_sum",
+                                  [&] {
+    using T = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+    at::parallel_for(0, rows, grain_for(rows, row_bytes * 2, 256), [&](int64_t lo, int64_t hi) {
+      std::vector<T> acc(dim);
+      for (int64_t r = lo; r < hi; ++r) {
+        std::fill(acc.begin(), acc.end(), T(0));
+        if (r < live) {
+          const int64_t s0 = std::clamp<int64_t>(st[r], 0, n_pos);
+          const int64_t s1 = std::clamp<int64_t>(st[r + 1], s0, n_pos);
+          for (int64_t j = s0; j < s1; ++j) {
+            const int64_t pos = p[j];
+            TORCH_CHECK(pos >= 0 && pos < n_pos, "perm[", j, "] = ", pos, " is not a row of grad");
+            const scalar_t* row = g + pos * dim;
+            for (int64_t c = 0; c < dim; ++c) acc[c] += static_cast<T>(row[c]);
+          }
+        }
+        for (int64_t c = 0; c < dim; ++c) o[r * dim + c] = static_cast<scalar_t>(acc[c]);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtorch_ops, CPU, m) {
+  m.impl("_segment_sum", &segment_sum_cpu);
+}
+
+}  // namespace speedtorch_ops
