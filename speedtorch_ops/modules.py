@@ -12,7 +12,9 @@ The full table and its per-row optimizer state sit side by side in one pinned ho
 row (``speedtorch_ops.optim.RowWiseAdagrad``) is packed after the row's weight instead, so its
 rows are (1, dim + 1 rounded up to 16 bytes). A forward stages the distinct rows
 of its ids, with their state, on the device (from a GPU row cache when ``cache_bytes`` allows
-one, else from the host); ``step()`` runs the torch optimizer on those rows and commits them.
+one, else from the host); ``step()`` updates those rows and commits them: in one fused kernel
+for SGD, Adagrad, RowWiseAdagrad, Adam and AdamW (``fused``; a cached row is updated in its
+slot), by the torch optimizer's own step for the others.
 
 Update rule ("lazy"): only the rows a step touched change, each with the sum of its gradients;
 per-table scalars such as Adam's ``step`` are global. So SGD equals SGD on the full table, and

@@ -15,7 +15,8 @@ The cache (``CachedRows``):
 - a direct map ``slot_of`` (table row -> slot, -1 when not cached) and each slot's row ``id_of``;
 - access frequencies ``freq`` of every table row (LFU), halved every ``aging_steps`` steps so the
   cache follows a drifting distribution;
-- a miss is admitted when a slot not used by this step holds a row accessed less often (or
+- a miss is admitted when a slot not used by this step, among the step's candidates (the next
+  slots of a cyclic hand: ``CachedRows.victim_sample``), holds a row accessed less often (or
   nothing; ``admission="always"``: whatever that slot holds); the evicted row is written back
   to the host (every cached row has been trained, so every cached row is dirty). A miss that is
   not admitted is written back at commit.
