@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .training.placement import upload_all
-from .training.plan import Plan, host_ids
+from .training.plan import _INTEGER, Plan, host_ids, out_of_range
 
 
 class CapturedStep:
@@ -55,7 +55,9 @@ class CapturedStep:
         warmup: eager calls before the capture (at least 1).
 
     Returns (a call ``captured(*ids)``, ids as NumPy arrays or tensors on any device): the
-    step's outputs, the graph's own tensors (overwritten by the next call: clone to keep).
+    step's outputs, the graph's own tensors (overwritten by the next call: clone to keep). Ids
+    already on the step's GPU (all of a call's) are checked there with one wait and copied on
+    the device; others are checked on the host and uploaded in one copy.
 
     Example::
 
@@ -86,6 +88,8 @@ class CapturedStep:
         if len(ids) != len(self.rows):
             raise ValueError(f"expected {len(self.rows)} id tensors (one per entry of rows), got "
                              f"{len(ids)}")
+        if ids and all(isinstance(x, torch.Tensor) and x.device == self.device for x in ids):
+            return self._checked_on_device(ids)
         out = []
         for k, (x, rows) in enumerate(zip(ids, self.rows)):
             shape = tuple(np.shape(x))
@@ -97,9 +101,38 @@ class CapturedStep:
             out.append(flat.view(shape))
         return out
 
+    def _checked_on_device(self, ids) -> list:
+        """Ids already on the step's GPU, checked there with one wait for them all (a bad id
+        raises naming its tensor, position and value; nothing runs), as int64."""
+        for k, x in enumerate(ids):
+            if x.dtype not in _INTEGER:
+                raise TypeError(f"ids[{k}] must be integers, got {x.dtype}")
+            if self._inputs is not None and x.shape != self._inputs[k].shape:
+                raise ValueError(f"ids[{k}] has shape {tuple(x.shape)}, but the step was "
+                                 f"captured with {tuple(self._inputs[k].shape)}; a graph replays "
+                                 "fixed shapes")
+        bad = torch.stack([((x < 0) | (x >= rows)).any() for x, rows in zip(ids, self.rows)])
+        for k in torch.nonzero(bad.cpu()).flatten().tolist():
+            flat = ids[k].reshape(-1)
+            at = int(torch.nonzero((flat < 0) | (flat >= self.rows[k]))[0])
+            raise out_of_range(f"ids[{k}]", at, int(flat[at]), self.rows[k])
+        return [x.to(torch.int64) for x in ids]
+
     def __call__(self, *ids):
         with torch.cuda.device(self.device):
             return self._call(ids)
+
+    def _inputs_of(self, checked: list, out: Optional[torch.Tensor] = None) -> tuple:
+        """(one buffer, the step's inputs in it) on the GPU: host ids in one upload (into
+        `out` when given), ids on the GPU in one copy there."""
+        if checked[0].device.type == "cpu":
+            return upload_all(checked, self.device, out=out)
+        if out is None:
+            out = torch.empty(sum(x.numel() for x in checked), dtype=torch.int64,
+                              device=self.device)
+        views = list(out.split([x.numel() for x in checked]))
+        torch.cat([x.reshape(-1) for x in checked], out=out)
+        return out, [v.view(x.shape) for v, x in zip(views, checked)]
 
     def _call(self, ids):
         host = self._checked(ids)
@@ -108,12 +141,12 @@ class CapturedStep:
             current = torch.cuda.current_stream(self.device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                result = self.step(*upload_all(host, self.device)[1])
+                result = self.step(*self._inputs_of(host)[1])
             current.wait_stream(self._side)
             return result
         if self.graph is None:
             # One buffer for every input: each step's ids then cross in one copy.
-            self._flat, self._inputs = upload_all(host, self.device)
+            self._flat, self._inputs = self._inputs_of(host)
             graph = torch.cuda.CUDAGraph()
             # A pinned table freed during the capture unregisters its memory, a call that a
             # capture forbids: it invalidates the capture, which then fails at a later kernel
@@ -143,6 +176,6 @@ class CapturedStep:
                     gc.enable()
             self.graph = graph  # only a capture that finished is replayed
         else:
-            upload_all(host, self.device, out=self._flat)
+            self._inputs_of(host, out=self._flat)
         self.graph.replay()
         return self._outputs

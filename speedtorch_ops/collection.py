@@ -159,6 +159,18 @@ class HostEmbeddingBagCollection(nn.Module):
                                  optimizer_kwargs=optimizer_kwargs, device=device,
                                  cache_bytes=budget[g], bounds_check="prechecked", dtype=dtype))
         self.groups = nn.ModuleList(groups)
+        # Per table (lookups, hits) of distinct rows, counted on the device (a captured step
+        # counts too); each group's tables end at these rows of the group.
+        # (Buffers, not state: they follow .to(device) and stay out of the checkpoint.)
+        self.register_buffer("_table_stats", torch.zeros((len(tables), 2), dtype=torch.int64,
+                                                         device=self.device), persistent=False)
+        for g in range(len(widths)):
+            mine = [k for k in range(len(tables)) if self._group_of[k] == g]
+            ends = [self._offset[k] + tables[k].num_embeddings for k in mine]
+            self.register_buffer(f"_ends{g}", torch.tensor(ends, device=self.device),
+                                 persistent=False)
+            self.register_buffer(f"_tables{g}", torch.tensor(mine, device=self.device),
+                                 persistent=False)
 
     @staticmethod
     def _split_budget(cache_bytes, rows, widths, optimizer, optimizer_kwargs, dtype) -> list:
@@ -266,6 +278,7 @@ class HostEmbeddingBagCollection(nn.Module):
             if not feats:
                 continue
             plan, d, _ = group._stage((flat,))
+            self._count(group, d)
             rows = group._lookup_rows(d.inverse)
             index = d.inverse
             for mode in ("none", "sum", "mean"):
@@ -302,6 +315,17 @@ class HostEmbeddingBagCollection(nn.Module):
                     outputs[f.name] = piece
         return {f.name: outputs[f.name] for f in self.features}
 
+    def _count(self, group: "_Group", d) -> None:
+        """Add a stage's distinct rows, and the cache's hits among them, to their tables'
+        counts."""
+        g = list(self.groups).index(group)
+        ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
+        table = mine[torch.bucketize(d.ids, ends, right=True).clamp_(max=len(mine) - 1)]
+        hits = group.store.last_hits()
+        counts = torch.stack([d.valid, hits if hits is not None else torch.zeros_like(d.valid)],
+                             1).to(torch.int64)
+        self._table_stats.index_add_(0, table, counts)
+
     @_eager
     def step(self) -> None:
         """Update every table's touched rows (and state) and commit them."""
@@ -337,7 +361,10 @@ class HostEmbeddingBagCollection(nn.Module):
 
     def cache_stats(self) -> dict:
         """Per width group ("dim<D>") and in total ("total"): HostEmbedding.cache_stats's
-        counts (the tables of a group share one cache)."""
+        counts (the tables of a group share one cache); per table (by name): distinct rows
+        looked up, cache hits and the hit rate, under "tables". Reading them waits for the
+        GPU."""
+        per_table = self._table_stats.tolist()
         out = {f"dim{g.embedding_dim}": g.cache_stats() for g in self.groups}
         total = {}
         for stats in out.values():
@@ -346,6 +373,9 @@ class HostEmbeddingBagCollection(nn.Module):
                     total[key] = total.get(key, 0) + value
         total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
         out["total"] = total
+        out["tables"] = {t.name: {"lookups": lookups, "hits": hits,
+                                  "hit_rate": hits / lookups if lookups else 0.0}
+                         for t, (lookups, hits) in zip(self.tables, per_table)}
         return out
 
     def table_weight(self, name: str) -> Tensor:

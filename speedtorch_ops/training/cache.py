@@ -244,6 +244,11 @@ class HostRows:
         self._staged = Staged(d, buf)
         return buf, d
 
+    def last_hits(self) -> Optional[Tensor]:
+        """Which distinct ids of the last stage the cache held (bool, on the device), or None:
+        this store holds none."""
+        return None
+
     def direct_target(self) -> tuple:
         """(cache, at) for a fused update of the staged step's rows where they live (see
         ``ops._fused_row_update``), or (None, None) when every row lives in the buffer."""
@@ -456,6 +461,7 @@ class CachedRows(HostRows):
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
         # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
         self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._last_hits: Optional[Tensor] = None  # see last_hits
         # Where the next step's victim candidates start (see victim_sample), on the device.
         self._hand = torch.zeros(1, dtype=torch.int64, device=self.device)
 
@@ -519,7 +525,11 @@ class CachedRows(HostRows):
         else:
             self._load(buf, d, miss & ~carried, sms=self._lane_sms)
         self._staged = Staged(d, buf, at, order, misses, victims, direct)
+        self._last_hits = (at < self.slots) & d.valid
         return buf, d
+
+    def last_hits(self) -> Optional[Tensor]:
+        return self._last_hits
 
     def direct_target(self) -> tuple:
         staged = self._staged

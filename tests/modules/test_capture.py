@@ -84,6 +84,35 @@ def test_captured_steps_train_like_eager(slots, fused, gen):
 
 
 @cuda_only
+def test_ids_on_the_gpu_train_like_host_ids_and_are_checked_there(gen):
+    """Ids already on the step's GPU: checked there (a bad one raises naming it, nothing runs)
+    and copied on the device; the same training as host ids, mixed call by call."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    data = batches(8, gen)
+    emb_h, _, host_step = build(init, 7, "prechecked")
+    emb_d, _, dev_step = build(init, 7, "prechecked")
+    on_host = so.CapturedStep(host_step, rows=(ROWS, ROWS), warmup=2)
+    on_gpu = so.CapturedStep(dev_step, rows=(ROWS, ROWS), warmup=2)
+    for k, (ids, other) in enumerate(data):
+        on_host(ids, other)
+        if k == 5:  # a host call between GPU calls refills the same inputs
+            on_gpu(ids, other.numpy())
+        else:
+            on_gpu(ids.cuda(), other.cuda().int())
+    assert on_gpu.graph is not None
+    assert torch.allclose(emb_d.weight, emb_h.weight, rtol=1e-10, atol=1e-12)
+    before = emb_d.weight.clone()
+    bad = data[0][1].cuda()
+    bad.view(-1)[5] = -1
+    with pytest.raises(RuntimeError, match=r"ids\[1\]\[5\] = -1 is out of range"):
+        on_gpu(data[0][0].cuda(), bad)
+    with pytest.raises(TypeError, match=r"ids\[0\] must be integers"):
+        on_gpu(data[0][0].cuda().double(), data[0][1].cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(emb_d.weight, before)
+
+
+@cuda_only
 def test_captured_step_refuses_bad_ids_and_shapes(gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     emb, _, step = build(init, 7, "prechecked")

@@ -179,6 +179,30 @@ def test_collection_equals_one_nn_table_each(device, name, gen):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_per_table_counts(device, gen):
+    """cache_stats()["tables"] counts each table's distinct rows a step (features sharing a
+    table counted once a row)."""
+    cfgs = tables()
+    ebc = build(cfgs, "SGD", device)
+    want = {t.name: 0 for t in cfgs}
+    for _ in range(3):
+        kjt = batch(cfgs, gen, device=device)
+        out = ebc(kjt)
+        sum(v.sum() for v in out.values()).backward()
+        ebc.step()
+        keys, stride, offsets = kjt.keys(), kjt.stride(), kjt.offsets().cpu()
+        for t in cfgs:
+            seen = set()
+            for f in t.feature_names:
+                i = keys.index(f)
+                seen |= set(kjt.values().cpu()[int(offsets[i * stride]):
+                                               int(offsets[(i + 1) * stride])].tolist())
+            want[t.name] += len(seen)
+    got = {name: s["lookups"] for name, s in ebc.cache_stats()["tables"].items()}
+    assert got == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_unpooled_collection_and_per_sample_weights(device, gen):
     cfgs = [so.TableConfig("a", 30, 4, pooling="sum", feature_names=["a1", "a2"]),
             so.TableConfig("c", 25, 6, pooling="none")]
@@ -204,7 +228,12 @@ def test_caches_that_evict_every_step_train_like_no_cache(gen):
         ebc, ref = run_both(cfgs, "Adam", "cuda", g, steps=4, cache_bytes=budget)
         results.append(ebc.state_dict())
         if budget:
-            assert ebc.cache_stats()["total"]["evictions"] > 0
+            stats = ebc.cache_stats()
+            assert stats["total"]["evictions"] > 0
+            tables = stats["tables"]
+            assert sum(t["lookups"] for t in tables.values()) == stats["total"]["lookups"]
+            assert sum(t["hits"] for t in tables.values()) == stats["total"]["hits"]
+            assert all(t["lookups"] > 0 for t in tables.values())
     for key, value in results[0].items():
         assert torch.allclose(results[1][key].cpu(), value.cpu(), rtol=1e-12, atol=1e-13), key
 
