@@ -230,10 +230,10 @@ def test_caches_that_evict_every_step_train_like_no_cache(gen):
         if budget:
             stats = ebc.cache_stats()
             assert stats["total"]["evictions"] > 0
-            tables = stats["tables"]
-            assert sum(t["lookups"] for t in tables.values()) == stats["total"]["lookups"]
-            assert sum(t["hits"] for t in tables.values()) == stats["total"]["hits"]
-            assert all(t["lookups"] > 0 for t in tables.values())
+            per_table = stats["tables"]
+            assert sum(t["lookups"] for t in per_table.values()) == stats["total"]["lookups"]
+            assert sum(t["hits"] for t in per_table.values()) == stats["total"]["hits"]
+            assert all(t["lookups"] > 0 for t in per_table.values())
     for key, value in results[0].items():
         assert torch.allclose(results[1][key].cpu(), value.cpu(), rtol=1e-12, atol=1e-13), key
 
