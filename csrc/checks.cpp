@@ -448,6 +448,20 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                   state_parts[k], " twice");
     }
   }
+  // Each rule keeps its own per-element state: SGD a momentum buffer or none, Adagrad its sum,
+  // RowWiseAdagrad none (its accumulator is a column), Adam two moments (three with amsgrad).
+  const int64_t parts_given = static_cast<int64_t>(state_parts.size());
+  const bool amsgrad = (flags & 4) != 0, adam = rule == 3 || rule == 4;
+  const int64_t parts_needed = rule == 0 ? parts_given : rule == 1 ? 1 : rule == 2 ? 0
+                                         : (amsgrad ? 3 : 2);
+  TORCH_CHECK(parts_given == parts_needed && (rule != 0 || parts_given <= 1), "state_parts must "
+              "name the rule's ", rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
+              : rule == 2 ? "nothing (the accumulator is column dim of part 0)"
+              : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
+              ", got ", parts_given, " parts");
+  TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (4) is Adam's and AdamW's only");
+  TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && parts_given == 1), "flags: nesterov (2) "
+              "and first step (8) need SGD with a momentum buffer");
   const bool counts_steps = rule == 1 || rule == 3 || rule == 4;
   TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
               " (the step count after this step's increment)");

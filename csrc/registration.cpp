@@ -75,7 +75,8 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // freq[id_of[s]], -1 when empty, +inf when it is in at (used by this step; entries past the
   // slots are ignored). 0 <= k <= slots.
   // With window > 0 only the window slots from *hand on (cyclically) are candidates (k <=
-  // window <= slots), and hand (one int64 on id_of's device) then moves on by window: each
+  // window <= slots), and hand (one int64 on id_of's device) then moves on by window (when
+  // k > 0): each
   // step looks at the next slots, a cost that follows the step's ids, not the cache's size.
   m.def("_coldest_slots(Tensor id_of, Tensor freq, Tensor at, int k, Tensor(a!)? hand=None, "
         "int window=0) -> (Tensor, Tensor)");

@@ -16,8 +16,9 @@ where ``HostEmbedding.fused`` says). Tables of different widths form one such gr
 Every table of a collection shares its dtype, optimizer and hyper-parameters; the cache budget
 is split between the groups by their bytes. Several features may share a table.
 
-``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()``,
-``offsets()`` (and ``weights()``: per-sample weights of sum-pooled features), TorchRec's
+``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()`` (the
+bags and each feature's ids follow from them) and ``weights()`` (per-sample weights of
+sum-pooled features), TorchRec's
 ``KeyedJaggedTensor`` or ``speedtorch_ops.KeyedJaggedTensor``; keys the collection does not
 know are ignored, a feature it needs and does not find raises. It returns a dict from feature
 name to ``(stride, D)`` (pooled; an empty bag gives zeros) or ``(ids of the feature, D)``
@@ -33,6 +34,7 @@ the feature and nothing is written.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -151,14 +153,21 @@ class HostEmbeddingBagCollection(nn.Module):
             g = self._group_of[k]
             self._offset[k] = rows[g]
             rows[g] += t.num_embeddings
-        groups = []
-        budget = self._split_budget(cache_bytes, rows, widths, optimizer, optimizer_kwargs,
-                                    dtype)
-        for g, width in enumerate(widths):
-            groups.append(_Group(rows[g], width, optimizer=optimizer,
-                                 optimizer_kwargs=optimizer_kwargs, device=device,
-                                 cache_bytes=budget[g], bounds_check="prechecked", dtype=dtype))
+        groups = [_Group(rows[g], width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                         device=device, bounds_check="prechecked", dtype=dtype)
+                  for g, width in enumerate(widths)]
         self.groups = nn.ModuleList(groups)
+        if cache_bytes and self.device.type != "cuda":
+            warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
+                          "live in the memory the step runs in", stacklevel=2)
+        elif cache_bytes:
+            # By each group's share of the tables' bytes; a share too small for the group's
+            # index and one row leaves that group without a cache.
+            sizes = [g.num_embeddings * g.host[0].nbytes for g in groups]
+            for g, size in zip(groups, sizes):
+                share = cache_bytes * size // sum(sizes)
+                if share >= CachedRows.index_bytes(g.num_embeddings) + g.host[0].nbytes:
+                    g.set_cache_bytes(share)
         # Per table (lookups, hits) of distinct rows, counted on the device (a captured step
         # counts too); each group's tables end at these rows of the group.
         # (Buffers, not state: they follow .to(device) and stay out of the checkpoint.)
@@ -172,15 +181,6 @@ class HostEmbeddingBagCollection(nn.Module):
             self.register_buffer(f"_tables{g}", torch.tensor(mine, device=self.device),
                                  persistent=False)
 
-    @staticmethod
-    def _split_budget(cache_bytes, rows, widths, optimizer, optimizer_kwargs, dtype) -> list:
-        """The cache budget of each group, by its share of the tables' bytes (rows x dim)."""
-        if cache_bytes == 0:
-            return [0] * len(rows)
-        sizes = [r * w for r, w in zip(rows, widths)]
-        total = sum(sizes)
-        return [cache_bytes * s // total for s in sizes]
-
     @property
     def device(self) -> torch.device:
         return self.groups[0].device
@@ -192,8 +192,9 @@ class HostEmbeddingBagCollection(nn.Module):
     # ---- a step --------------------------------------------------------------------------
 
     def _layout(self, features) -> tuple:
-        """(values, weights, host offsets or device offsets, where each needed feature's ids and
-        bags start) of a jagged batch, checked: every feature present, lengths consistent."""
+        """(values, weights, lengths, stride, where each needed feature's ids start and end in
+        values) of a jagged batch: every feature present. Offsets are not read: the lengths
+        place every id and bag."""
         keys = list(features.keys())
         values = features.values()
         if values.dtype not in _INTEGER:
@@ -272,7 +273,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
         outputs = {}
-        offsets = None
+        lens = None
         for group, (feats, flat, starts) in zip(self.groups, self._group_ids(values, at,
                                                                              self.device)):
             if not feats:
@@ -296,15 +297,14 @@ class HostEmbeddingBagCollection(nn.Module):
                     for (f, _), piece in zip(mine, out):
                         outputs[f.name] = piece
                     continue
-                if offsets is None:
-                    offsets = features.offsets().to(torch.int64)
-                    offsets = (upload(offsets, self.device) if offsets.device.type == "cpu"
-                               else offsets.to(self.device))
-                bags = []
-                for f, s in mine:
-                    i, vlo, _ = at[f.name]
-                    bags.append(offsets[i * stride:(i + 1) * stride] - vlo + (s - lo))
-                bags.append(torch.full((1,), hi - lo, dtype=torch.int64, device=self.device))
+                if lens is None:  # the bags from the lengths, which placed the features' ids
+                    lens = lengths.to(torch.int64)
+                    lens = (upload(lens, self.device) if lens.device.type == "cpu"
+                            else lens.to(self.device))
+                mode_lens = torch.cat([lens[at[f.name][0] * stride:(at[f.name][0] + 1) * stride]
+                                       for f, _ in mine])
+                bags = [torch.cumsum(mode_lens, 0) - mode_lens,
+                        torch.full((1,), hi - lo, dtype=torch.int64, device=self.device)]
                 psw = None
                 if weights is not None and mode == "sum":
                     psw = torch.cat([weights[at[f.name][1]:at[f.name][2]] for f, _ in mine])
@@ -406,10 +406,13 @@ class HostEmbeddingBagCollection(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
-        known = set()
+        """Each width group's keys gathered from its tables' (a table missing from the
+        checkpoint keeps its rows: the group loads them back as they are); every key checked
+        before any is loaded, so an error loads nothing."""
+        known, loads, errors = set(), [], []
         for g, group in enumerate(self.groups):
             whole: dict = {}
-            group.save_rows(whole)  # the group's keys and their current tensors
+            group.save_rows(whole)  # the group's keys and their current tensors (flushed)
             mine = [k for k in range(len(self.tables)) if self._group_of[k] == g]
             gathered = {}
             for key, current in whole.items():
@@ -417,35 +420,43 @@ class HostEmbeddingBagCollection(nn.Module):
                 names = [f"{prefix}{self.tables[k].name}.{key}" for k in mine]
                 known.update(names)
                 present = [n for n in names if n in state_dict]
-                missing_keys.extend(n for n in names if n not in state_dict)
-                if not rows:
+                optional = key == "optimizer.momentum_started"  # checkpoints before it lack it
+                if not optional:
+                    missing_keys.extend(n for n in names if n not in state_dict)
+                if not rows:  # a group's scalar (a step count): the first table's
                     if present:
                         gathered[key] = state_dict[present[0]]
                     continue
-                if len(present) != len(names):
-                    continue  # a table's rows are missing: the group's key is not loaded
-                pieces, bad = [], False
+                if not present:
+                    continue
+                pieces, in_place = [], True
                 for k, n in zip(mine, names):
+                    lo, count = self._offset[k], self.tables[k].num_embeddings
+                    here = current[lo:lo + count]
+                    if n not in state_dict:
+                        pieces.append(here)  # not in the checkpoint: kept as it is
+                        continue
                     v = state_dict[n]
-                    want = (self.tables[k].num_embeddings, *current.shape[1:])
+                    want = (count, *current.shape[1:])
                     if not isinstance(v, Tensor) or tuple(v.shape) != want:
                         got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-                        error_msgs.append(f"{n}: shape {got} in the checkpoint, {want} here")
-                        bad = True
+                        errors.append(f"{n}: shape {got} in the checkpoint, {want} here")
+                        continue
+                    in_place &= _same_view(v, here)
                     pieces.append(v)
-                if bad:
-                    continue
-                lo = [self._offset[k] for k in mine]
-                if all(_same_view(p, current[o:o + p.shape[0]]) for p, o in zip(pieces, lo)):
-                    gathered[key] = current  # loaded in place: the table itself
-                else:
-                    gathered[key] = torch.cat([p.to(current.device, current.dtype)
-                                               for p in pieces])
-            if gathered:
-                group.load_rows(gathered, [], [], error_msgs)
+                if len(pieces) == len(mine):
+                    gathered[key] = current if in_place and len(present) == len(names) else \
+                        torch.cat([p.to(current.device, current.dtype) for p in pieces])
+            loads.append((group, gathered))
         for key in state_dict:
             if key.startswith(prefix) and key not in known:
                 unexpected_keys.append(key)
+        if errors:
+            error_msgs.extend(errors)
+            return  # nothing loaded
+        for group, gathered in loads:
+            if gathered:
+                group.load_rows(gathered, [], [], error_msgs)
 
     def extra_repr(self) -> str:
         tables = ", ".join(f"{t.name}({t.num_embeddings}x{t.embedding_dim}"

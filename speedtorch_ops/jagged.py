@@ -61,6 +61,13 @@ class KeyedJaggedTensor:
         if len(offsets) != len(lengths) + 1:
             raise ValueError(f"offsets must have one entry more than lengths ({len(lengths)}), "
                              f"got {len(offsets)}")
+        if offsets.device.type == "cpu" and lengths.device.type == "cpu":  # no wait to check
+            if len(offsets) and int(offsets[0]) != 0:
+                raise ValueError(f"offsets must start at 0 (the first id of values), got "
+                                 f"{int(offsets[0])}")
+            if not torch.equal(offsets[1:] - offsets[:-1], lengths.to(offsets.dtype)):
+                raise ValueError("lengths and offsets disagree: offsets must be the prefix sums "
+                                 "of lengths")
         if stride is None:
             stride = len(lengths) // len(self._keys) if self._keys else 0
         if len(lengths) != stride * len(self._keys):

@@ -146,6 +146,7 @@ class _Lookup(torch.autograd.Function):
         return F.embedding(d.inverse, rows)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         perm, starts, count = ctx.saved_tensors
         grad = grad.reshape(-1, grad.shape[-1])
@@ -559,10 +560,11 @@ class _HostRowsModule(nn.Module):
                 started.fill_(1)
             return
         if staged.direct and grad is not None:
-            raise RuntimeError("step(): the optimizer's hyper-parameters changed between the "
-                               "forward and step() so that its fused update cannot run (an lr "
-                               "tensor on a GPU?); the cached rows' state was left in the cache. "
-                               "Call discard() and run the step again")
+            raise RuntimeError("step(): this forward staged its cached rows for the fused "
+                               "update, which cannot run now (fused_update was turned off, or "
+                               "a hyper-parameter became a tensor on a GPU, after the "
+                               "forward); nothing was updated. Call discard() and run the step "
+                               "again")
         if not first or grad is None:
             self.optimizer.step()
             return

@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cpu(const at::Tensor& id_of,
     const int64_t i = (used[j] - start + slots) % slots;
     if (i < w) p[i] = std::numeric_limits<float>::infinity();
   }
-  if (h != nullptr) *h = (start + w) % slots;
+  if (h != nullptr && k > 0) *h = (start + w) % slots;  // as the CUDA kernels: k = 0 does nothing
   auto [cold, order] = at::sort(prio, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   auto victims = slot.index_select(0, order.narrow(0, 0, k));
   return {victims, cold.narrow(0, 0, k).contiguous()};

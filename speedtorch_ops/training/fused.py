@@ -111,6 +111,11 @@ class FusedUpdate(NamedTuple):
             step = state["step"]
             step += 1  # in place: a kept tensor (a captured step's replays count on)
         grad = param.grad
-        ops._fused_row_update(buf, grad if grad.is_contiguous() else grad.contiguous(), count,
-                              step, self.rule, hyper, flags, parts, cache, at)
+        try:
+            ops._fused_row_update(buf, grad if grad.is_contiguous() else grad.contiguous(), count,
+                                  step, self.rule, hyper, flags, parts, cache, at)
+        except BaseException:
+            if step is not None:
+                step -= 1  # refused before anything moved: the count stays as it was
+            raise
         return True

@@ -319,3 +319,36 @@ def test_config_errors_name_the_argument():
                                       device="cpu")
     with pytest.raises(ValueError, match="lengths"):
         so.KeyedJaggedTensor(["a", "b"], torch.arange(3), lengths=torch.tensor([1, 1, 1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_and_bad_loads(device, gen):
+    """strict=False loads the tables the checkpoint has and keeps the others; a load with a bad
+    key loads nothing at all."""
+    cfgs = [so.TableConfig("a", 10, 4), so.TableConfig("b", 8, 4), so.TableConfig("c", 6, 3)]
+    ebc = build(cfgs, "Adam", device)
+    sd = {k: v.clone() for k, v in ebc.state_dict().items()}
+    before = {k: v.clone() for k, v in sd.items()}
+    new_a = torch.randn(10, 4, generator=gen, dtype=torch.float64)
+    partial = {"a.weight": new_a}
+    result = ebc.load_state_dict(partial, strict=False)
+    assert "b.weight" in result.missing_keys and "a.weight" not in result.missing_keys
+    assert not any("momentum_started" in k for k in result.missing_keys)
+    now = ebc.state_dict()
+    assert torch.equal(now["a.weight"].cpu(), new_a)
+    assert torch.equal(now["b.weight"].cpu(), before["b.weight"].cpu())
+    assert torch.equal(now["c.weight"].cpu(), before["c.weight"].cpu())
+    bad = {k: v.clone() for k, v in now.items()}
+    bad["a.weight"].fill_(3.0)
+    bad["b.optimizer.exp_avg"] = torch.zeros(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="b.optimizer.exp_avg"):
+        ebc.load_state_dict(bad)
+    assert torch.equal(ebc.state_dict()["a.weight"].cpu(), new_a)  # nothing was loaded
+
+
+def test_jagged_offsets_are_checked():
+    with pytest.raises(ValueError, match="start at 0"):
+        so.KeyedJaggedTensor(["a", "b"], torch.arange(5), offsets=torch.tensor([5, 6, 8, 8, 9]))
+    with pytest.raises(ValueError, match="disagree"):
+        so.KeyedJaggedTensor(["a", "b"], torch.arange(4), lengths=torch.tensor([1, 1, 1, 1]),
+                             offsets=torch.tensor([0, 2, 2, 3, 4]))

@@ -379,3 +379,14 @@ def test_a_finished_step_holds_no_staged_rows(name, gen):
         emb.step()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == held
+
+
+def test_double_backward_is_refused(gen):
+    """The lookup's backward (a segment sum) is not itself differentiable: asking for a second
+    derivative raises instead of giving zeros."""
+    emb = so.HostEmbedding(10, 3, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+                           device="cpu", dtype=torch.float64)
+    out = emb(torch.tensor([1, 2, 1]))
+    (g,) = torch.autograd.grad(out.pow(2).sum(), emb.step_parameters(), create_graph=True)
+    with pytest.raises(RuntimeError, match="twice|once_differentiable|double backward"):
+        g.sum().backward()

@@ -33,7 +33,8 @@ def check_map(store: CachedRows) -> None:
 @pytest.mark.parametrize("opt", range(len(OPTIMIZERS)))
 @pytest.mark.parametrize("slots", [3, 12, 30])
 @pytest.mark.parametrize("admission", ["frequency", "always"])
-def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, gen):
+@pytest.mark.parametrize("sample", [None, 1])  # 1: victims from a window of 2k slots
+def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, sample, gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
     plain = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
@@ -42,6 +43,8 @@ def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission
                                               device=device)
     cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3,
                               overlap=overlap, admission=admission)
+    if sample is not None:
+        cached.store.victim_sample = sample
     discarded = {"host_loads": 0, "evictions": 0}
     tol = 0 if device == "cpu" else 1e-12  # GPU gradient sums of repeated ids use atomics
     for step in range(10):

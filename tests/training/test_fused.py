@@ -141,6 +141,11 @@ def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
         (dict(step=None), "step is required"),
         (dict(step=torch.tensor([1, 2])), "step must be one"),
         (dict(rule=fused.ROWWISE_ADAGRAD, parts=[]), "width"),
+        (dict(parts=[]), "state_parts must name the rule's exp_avg and exp_avg_sq"),
+        (dict(parts=[1, 2], flags=4), "state_parts must name"),
+        (dict(rule=fused.ADAGRAD, parts=[1, 2]), "state_parts must name the rule's sum"),
+        (dict(rule=fused.SGD, parts=[], flags=2), "nesterov"),
+        (dict(rule=fused.ADAGRAD, parts=[1], flags=4), "amsgrad"),
     ]
     for change, message in bad:
         args = dict(buf=buf, grad=grad, count=count, step=step, rule=fused.ADAM, hyper=hyper,
