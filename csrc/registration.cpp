@@ -59,8 +59,9 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // out (rows, dim): out[r] = the sum of grad[perm[j]] over j in [starts[r], starts[r + 1]) (in
   // that order on the CPU; in a fixed order on a GPU: deterministic, no atomics) for
   // r < min(count, rows, len(starts) - 1), zero for the other rows. grad (len(perm), dim), a
-  // floating dtype; perm and starts as _distinct gives them, count one int64, all on grad's
-  // device. The backward of a lookup of staged rows by the positions _distinct sorted.
+  // floating dtype; perm and starts as _distinct gives them (their values are trusted: on a GPU
+  // they are not checked), count one int64, all on grad's device. The backward of a lookup of
+  // staged rows by the positions _distinct sorted.
   m.def("_segment_sum(Tensor grad, Tensor perm, Tensor starts, Tensor count, int rows) -> Tensor");
   // (order, count): the positions of the true flags ascending, then the others descending;
   // count (one int64) how many are true.
