@@ -53,9 +53,19 @@ _POOLING = ("sum", "mean", "none")
 
 @dataclass(frozen=True)
 class TableConfig:
-    """One table of a collection: ``num_embeddings`` rows of ``embedding_dim``; ``pooling``
-    "sum", "mean" or "none" (the bag collection's; the plain collection never pools); the
-    features that look it up (default: the table's name)."""
+    """One table of a collection (TorchRec's ``EmbeddingBagConfig``, in short).
+
+    Args:
+        name: the table's name (its ``state_dict`` keys start with it; no ".").
+        num_embeddings, embedding_dim: its rows and their width.
+        pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
+            HostEmbeddingCollection never pools.
+        feature_names: the batch's keys that look this table up (default: ``[name]``).
+
+    Example::
+
+        TableConfig("item", 1_000_000, 64, pooling="mean", feature_names=["item", "seen"])
+    """
     name: str
     num_embeddings: int
     embedding_dim: int
@@ -118,6 +128,17 @@ class HostEmbeddingBagCollection(nn.Module):
         cache_bytes: the GPU row cache's budget for all tables (0: none).
         bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
         dtype: the tables' and their state's dtype.
+
+    Returns (forward): ``{feature: (stride, D)}`` for pooled tables, ``(ids of the feature,
+    D)`` for ``pooling="none"``, in the order of the tables' features.
+
+    Example::
+
+        ebc = HostEmbeddingBagCollection(
+            [TableConfig("user", 4_000_000, 128), TableConfig("tag", 50_000, 32, "mean")],
+            optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.05}, cache_bytes=1 << 30)
+        out = ebc(KeyedJaggedTensor.from_lengths_sync(["user", "tag"], values, lengths))
+        (out["user"].sum() + out["tag"].sum()).backward(); ebc.step()
     """
 
     _pooled = True
@@ -467,7 +488,16 @@ class HostEmbeddingBagCollection(nn.Module):
 
 class HostEmbeddingCollection(HostEmbeddingBagCollection):
     """Every id's row, no pooling (TorchRec's EmbeddingCollection): ``forward`` returns
-    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used. Otherwise as
-    ``HostEmbeddingBagCollection``."""
+    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used. Arguments and
+    everything else as ``HostEmbeddingBagCollection``'s.
+
+    Example::
+
+        ec = HostEmbeddingCollection([TableConfig("t0", 1_677_721, 128)],
+                                     optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1},
+                                     cache_bytes=8 << 30)
+        out = ec(KeyedJaggedTensor.from_lengths_sync(["t0"], ids, torch.ones_like(ids)))
+        out["t0"].backward(grad); ec.step()
+    """
 
     _pooled = False

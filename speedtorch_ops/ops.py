@@ -46,6 +46,13 @@ def pinned_gather(table: Tensor, index: Tensor, *, bounds_check: str = "deferred
     ``index``: 1-D int32/int64 with values in ``[0, table.shape[0])``.
     ``bounds_check``: ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module docstring).
     Differentiable with respect to ``table`` (like ``index_select``).
+
+    Returns: ``(len(index), *table.shape[1:])`` in the table's dtype, on ``index``'s device.
+
+    Example::
+
+        table = speedtorch_ops.empty_pinned((1_000_000, 128), torch.float32)
+        rows = pinned_gather(table, torch.tensor([5, 9, 5], device="cuda"))   # (3, 128) on the GPU
     """
     return _ops.pinned_gather.default(table, index, bounds_check=bounds_check)
 
@@ -60,6 +67,11 @@ def pinned_gather_into(table: Tensor, index: Tensor, out: Tensor, *,
     adapts by itself); the call returns when the CPU's part is done. ``bounds_check``:
     ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module docstring). Mutates ``out``; not
     differentiable.
+
+    Example::
+
+        out = torch.empty(4096, 128, device="cuda")
+        pinned_gather_into(table, ids_on_gpu, out)        # the same buffer every step
     """
     _ops.pinned_gather_into.default(table, index, out, bounds_check=bounds_check)
 
@@ -74,6 +86,11 @@ def pinned_scatter(table: Tensor, index: Tensor, src: Tensor, accumulate: bool =
     deterministic: without ``accumulate`` the last occurrence wins, with it all add up in index
     order. ``bounds_check``: ``"deferred"``, ``"raise"`` or ``"prechecked"`` (see the module
     docstring).
+
+    Example::
+
+        pinned_scatter(table, ids_on_gpu, updated_rows)               # write the batch back
+        pinned_scatter(table, ids_on_gpu, grads, accumulate=True)     # add into the rows
     """
     _ops.pinned_scatter.default(table, index, src, accumulate, bounds_check=bounds_check)
 
