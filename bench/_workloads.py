@@ -155,3 +155,25 @@ def hybrid_share(share, fn):
         finally:
             torch.ops.speedtorch_ops._set_hybrid_share(previous)
     return run
+
+
+def lazy_adam_(tables, ids, rows, position_grads, count, hyper) -> None:
+    """Lazy Adam by fixed-shape GPU ops, the captured all-on-GPU baselines' update: for each
+    table k, ``tables[k]`` = (weight, exp_avg, exp_avg_sq, gradient buffer), dense (V, D);
+    ``rows[k]`` its rows gathered at ``ids[k]`` (updated in place, then written back) and
+    ``position_grads[k]`` those positions' gradients. Each row's gradients are summed in its
+    buffer, torch's fused Adam kernel runs on every position's row with its row's summed
+    gradient and state (a row's positions compute equal values), the rows and their state go
+    back by index_copy_ and the buffer's rows are zeroed. ``count``: the global step count (a
+    0-dim float tensor on the device), raised by one; ``hyper``: _fused_adam_'s keywords."""
+    for (*_, buf), i, g in zip(tables, ids, position_grads):
+        buf.index_add_(0, i, g)
+    exp_avgs, exp_avg_sqs, grads = ([t[k].index_select(0, i) for t, i in zip(tables, ids)]
+                                    for k in (1, 2, 3))
+    count.add_(1)
+    torch._fused_adam_(rows, grads, exp_avgs, exp_avg_sqs, [], [count] * len(rows), **hyper)
+    for (weight, exp_avg, exp_avg_sq, buf), i, *new in zip(tables, ids, rows, exp_avgs,
+                                                           exp_avg_sqs):
+        for table, r in zip((weight, exp_avg, exp_avg_sq), new):
+            table.index_copy_(0, i, r)
+        buf.index_fill_(0, i, 0)

@@ -50,6 +50,8 @@ import traceback
 import numpy as np
 import torch
 
+from _workloads import lazy_adam_
+
 LR, EPS, BETAS = 0.1, 1e-8, (0.9, 0.999)
 # Their benchmark_results.json: mean ms of forward + backward (the update fused in), Adam, pool
 # none, 10 tables, 1,048,570 ids; 1.68 M rows a table whole in HBM, 26.8 M behind a cache of cfr
@@ -100,18 +102,11 @@ class Baseline:
     def _step(self):
         gid = self.ids + self.base
         rows = self.weight.index_select(0, gid)  # the forward's output
-        self.grad_rows.index_add_(0, gid, self.out_grad)
-        grad = self.grad_rows.index_select(0, gid)  # each position's row's summed gradient
-        m, v = self.exp_avg.index_select(0, gid), self.exp_avg_sq.index_select(0, gid)
-        self.step_count += 1
         # The output is spent once the backward is done, so the update reuses its buffer.
-        torch._fused_adam_([rows], [grad], [m], [v], [], [self.step_count], lr=LR,
-                           beta1=BETAS[0], beta2=BETAS[1], weight_decay=0.0, eps=EPS,
-                           amsgrad=False, maximize=False)
-        self.weight.index_copy_(0, gid, rows)
-        self.exp_avg.index_copy_(0, gid, m)
-        self.exp_avg_sq.index_copy_(0, gid, v)
-        self.grad_rows.index_fill_(0, gid, 0)
+        lazy_adam_([(self.weight, self.exp_avg, self.exp_avg_sq, self.grad_rows)], [gid], [rows],
+                   [self.out_grad], self.step_count,
+                   dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=0.0, eps=EPS,
+                        amsgrad=False, maximize=False))
 
     def run(self, ids):
         self.ids.copy_(ids)

@@ -29,7 +29,7 @@ import torch
 from speedtorch_ops.demo.model import SkipGram, skipgram_loss
 from speedtorch_ops.demo.train import OPTIMIZERS, ModuleTraining, train_all_on_gpu
 
-from _workloads import add_skipgram_shape, skipgram_corpus
+from _workloads import add_skipgram_shape, lazy_adam_, skipgram_corpus
 
 
 def memcpy_gbps(device, nbytes=256 << 20) -> float:
@@ -89,18 +89,9 @@ class CapturedAllOnGpu:
         rows = [w.index_select(0, i).requires_grad_() for (w, *_), i in zip(self.tables, pos)]
         loss = skipgram_loss(rows[0].view(B, 1, -1), rows[1][:B].view(B, 1, -1),
                              rows[1][B:].view(B, N, -1))
-        for (*_, grad), i, g in zip(self.tables, pos, torch.autograd.grad(loss, rows)):
-            grad.index_add_(0, i, g)
-        weights = [r.detach() for r in rows]  # the gathered rows, updated in place
-        exp_avgs, exp_avg_sqs, grads = ([t[k].index_select(0, i) for t, i in zip(self.tables, pos)]
-                                        for k in (1, 2, 3))
-        self.count.add_(1)
-        torch._fused_adam_(weights, grads, exp_avgs, exp_avg_sqs, [], [self.count] * 2, **self.hp)
-        for (w, exp_avg, exp_avg_sq, grad), i, *new in zip(self.tables, pos, weights, exp_avgs,
-                                                          exp_avg_sqs):
-            for table, r in zip((w, exp_avg, exp_avg_sq), new):
-                table.index_copy_(0, i, r)
-            grad.index_fill_(0, i, 0)
+        # The gathered rows are updated in place.
+        lazy_adam_(self.tables, pos, [r.detach() for r in rows], torch.autograd.grad(loss, rows),
+                   self.count, self.hp)
         return loss.detach()
 
 

@@ -295,12 +295,12 @@ class HostEmbeddingBagCollection(nn.Module):
                                           "pooling='sum' (as nn.EmbeddingBag)")
         outputs = {}
         lens = None
-        for group, (feats, flat, starts) in zip(self.groups, self._group_ids(values, at,
-                                                                             self.device)):
+        for g, (feats, flat, starts) in enumerate(self._group_ids(values, at, self.device)):
             if not feats:
                 continue
+            group = self.groups[g]
             plan, d, _ = group._stage((flat,))
-            self._count(group, d)
+            self._count(g, d)
             rows = group._lookup_rows(d.inverse)
             index = d.inverse
             for mode in ("none", "sum", "mean"):
@@ -336,10 +336,10 @@ class HostEmbeddingBagCollection(nn.Module):
                     outputs[f.name] = piece
         return {f.name: outputs[f.name] for f in self.features}
 
-    def _count(self, group: "_Group", d) -> None:
-        """Add a stage's distinct rows, and the cache's hits among them, to their tables'
-        counts."""
-        g = list(self.groups).index(group)
+    def _count(self, g: int, d) -> None:
+        """Add a stage's distinct rows of group `g`, and the cache's hits among them, to their
+        tables' counts."""
+        group = self.groups[g]
         ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
         table = mine[torch.bucketize(d.ids, ends, right=True).clamp_(max=len(mine) - 1)]
         hits = group.store.last_hits()

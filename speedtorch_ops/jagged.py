@@ -90,15 +90,18 @@ class KeyedJaggedTensor:
     def from_lengths_sync(cls, keys: Sequence[str], values: Tensor, lengths: Tensor,
                           weights: Optional[Tensor] = None,
                           stride: Optional[int] = None) -> "KeyedJaggedTensor":
-        kjt = cls(keys, values, weights, lengths=lengths, stride=stride)
-        kjt.length_per_key()
-        return kjt
+        return cls._synced(keys, values, weights, stride, lengths=lengths)
 
     @classmethod
     def from_offsets_sync(cls, keys: Sequence[str], values: Tensor, offsets: Tensor,
                           weights: Optional[Tensor] = None,
                           stride: Optional[int] = None) -> "KeyedJaggedTensor":
-        kjt = cls(keys, values, weights, offsets=offsets, stride=stride)
+        return cls._synced(keys, values, weights, stride, offsets=offsets)
+
+    @classmethod
+    def _synced(cls, keys, values, weights, stride, **jagged) -> "KeyedJaggedTensor":
+        """A batch whose ids per key are read now (one wait for lengths on a GPU)."""
+        kjt = cls(keys, values, weights, stride=stride, **jagged)
         kjt.length_per_key()
         return kjt
 

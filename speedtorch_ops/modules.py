@@ -100,7 +100,6 @@ class _Staged:
     distinct: Distinct
     pad_at: Optional[Tensor] = None
     pad_in: Optional[Tensor] = None
-    direct: bool = False
 
 
 class _Guard(torch.autograd.Function):
@@ -398,8 +397,7 @@ class _HostRowsModule(nn.Module):
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
         plan = self._plan(tensors)
-        direct = self._direct()
-        buf, d = self.store.stage(plan, spare, direct=direct)
+        buf, d = self.store.stage(plan, spare, direct=self._direct())
         # The staged rows the optimizer and the backward see: on the CPU, where the count is
         # known without a wait, the distinct rows only (the rest would cost the optimizer's
         # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
@@ -417,7 +415,7 @@ class _HostRowsModule(nn.Module):
             self._point_at(self._no_rows)
             raise
         if self._training:
-            self._staged = _Staged(buf, d, pad_at, pad_in, direct)
+            self._staged = _Staged(buf, d, pad_at, pad_in)
         elif self.max_norm is not None:
             self.store.commit()  # nn renormalises the table under no_grad too
         else:
@@ -559,7 +557,7 @@ class _HostRowsModule(nn.Module):
             if first:
                 started.fill_(1)
             return
-        if staged.direct and grad is not None:
+        if cache is not None and grad is not None:  # the hits' state was left in the cache
             raise RuntimeError("step(): this forward staged its cached rows for the fused "
                                "update, which cannot run now (fused_update was turned off, or "
                                "a hyper-parameter became a tensor on a GPU, after the "

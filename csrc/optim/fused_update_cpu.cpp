@@ -22,11 +22,10 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
                           at::ArrayRef<int64_t> state_parts,
                           const c10::optional<at::Tensor>& cache,
                           const c10::optional<at::Tensor>& at) {
-  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts, cache,
-                          at);
-  const auto rule = static_cast<optim::Rule>(rule_arg);
-  optim::Hyper h = optim::make_hyper(hyper, flags);
-  if (step.has_value()) optim::derive(h, rule, step->item<double>());
+  const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
+                                                       flags, state_parts, cache, at);
+  const optim::Rule rule = checked.rule;
+  const optim::Hyper h = checked.hyper;
   const int64_t n = buf.size(1), width = buf.size(2), dim = grad.size(1);
   const int64_t rows = std::clamp<int64_t>(count.item<int64_t>(), 0, n);
   const int64_t part_stride = buf.stride(0);

@@ -21,16 +21,14 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
                            at::ArrayRef<int64_t> state_parts,
                            const c10::optional<at::Tensor>& cache,
                            const c10::optional<at::Tensor>& at) {
-  check_fused_update_args(buf, grad, count, step, rule_arg, hyper, flags, state_parts, cache,
-                          at);
+  const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
+                                                       flags, state_parts, cache, at);
+  const optim::Rule rule = checked.rule;
+  const optim::Hyper h = checked.hyper;
   const c10::cuda::CUDAGuard guard(buf.device());
-  const auto rule = static_cast<optim::Rule>(rule_arg);
-  optim::Hyper h = optim::make_hyper(hyper, flags);
-  const void* step_ptr = nullptr;
+  const void* step_ptr = nullptr;  // a count on the device: the kernel derives the constants
   bool step_f64 = false;
-  if (step.has_value() && step->device().is_cpu()) {
-    optim::derive(h, rule, step->item<double>());
-  } else if (step.has_value()) {
+  if (step.has_value() && !step->device().is_cpu()) {
     step_ptr = step->const_data_ptr();
     step_f64 = step->scalar_type() == at::kDouble;
   }

@@ -1,23 +1,41 @@
-// The op's hyper-parameter arguments as the rules' Hyper (torch-facing glue, shared by the CPU
-// and CUDA implementations of _fused_row_update).
+// The op's arguments as the rules see them (torch-facing glue, shared by the CPU and CUDA
+// implementations of _fused_row_update).
 #pragma once
 
 #include "rules.h"
+#include "speedtorch_ops/checks.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
 
 namespace speedtorch_ops::optim {
 
-// hyper = (lr, weight_decay, a, b, eps), already checked (check_fused_update_args).
-inline Hyper make_hyper(c10::ArrayRef<double> hyper, int64_t flags) {
-  Hyper h;
-  h.lr = hyper[0];
-  h.weight_decay = hyper[1];
-  h.a = hyper[2];
-  h.b = hyper[3];
-  h.eps = hyper[4];
-  h.flags = flags;
-  return h;
+struct Checked {
+  Rule rule;
+  Hyper hyper;
+};
+
+// Every argument checked (check_fused_update_args: a refused call changes nothing), then the
+// rule and its constants, hyper = (lr, weight_decay, a, b, eps). A step count on the host is
+// read here and its constants derived; one on a GPU is left to the kernel (a captured step's
+// replays count on).
+inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
+                              const at::Tensor& count, const c10::optional<at::Tensor>& step,
+                              int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
+                              c10::ArrayRef<int64_t> state_parts,
+                              const c10::optional<at::Tensor>& cache,
+                              const c10::optional<at::Tensor>& at) {
+  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, state_parts, cache, at);
+  Checked c{static_cast<Rule>(rule), Hyper{}};
+  c.hyper.lr = hyper[0];
+  c.hyper.weight_decay = hyper[1];
+  c.hyper.a = hyper[2];
+  c.hyper.b = hyper[3];
+  c.hyper.eps = hyper[4];
+  c.hyper.flags = flags;
+  if (step.has_value() && step->device().is_cpu()) derive(c.hyper, c.rule, step->item<double>());
+  return c;
 }
 
 }  // namespace speedtorch_ops::optim
