@@ -390,22 +390,65 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
   TORCH_CHECK(period >= 1, "period must be at least 1 (steps between halvings), got ", period);
 }
 
-void check_segment_sum_args(const at::Tensor& grad, const at::Tensor& perm,
+void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
                             const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
-  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (positions, "
-              "dim) tensor, got shape ", grad.sizes());
-  const auto dtype = grad.scalar_type();
+  TORCH_CHECK(!grads.empty(), "grads must hold at least one tensor (the rows' gradients)");
+  const at::Tensor& first = grads[0];
+  const auto dtype = first.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
                   dtype == at::kBFloat16,
-              "grad must be float32, float64, float16 or bfloat16, got ", dtype);
+              "grads must be float32, float64, float16 or bfloat16, got ", dtype);
+  int64_t n = 0;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    TORCH_CHECK(g.dim() == 2 && g.is_contiguous(), "grads[", k, "] must be a contiguous "
+                "(positions, dim) tensor, got shape ", g.sizes());
+    TORCH_CHECK(g.size(1) == first.size(1), "grads[", k, "] must have grads[0]'s ",
+                first.size(1), " columns, got ", g.size(1));
+    TORCH_CHECK(g.scalar_type() == dtype, "grads[", k, "] must be ", dtype, " like grads[0], got ",
+                g.scalar_type());
+    const std::string name = "grads[" + std::to_string(k) + "]";
+    check_same_device(g, name.c_str(), first, "grads[0]");
+    n += g.size(0);
+  }
   check_vectors({{perm, "perm", at::kLong}, {starts, "starts", at::kLong}});
-  check_same_device(perm, "perm", grad, "grad");
-  TORCH_CHECK(perm.numel() == grad.size(0), "perm must have one entry a row of grad (",
-              grad.size(0), "), got ", perm.numel());
+  check_same_device(perm, "perm", first, "grads[0]");
+  TORCH_CHECK(perm.numel() == n, "perm must have one entry a row of grads (", n, "), got ",
+              perm.numel());
   TORCH_CHECK(starts.numel() >= 1, "starts must hold at least one entry (segments + 1)");
-  check_one_int64(count, "count", grad, "grad");
+  check_one_int64(count, "count", first, "grads[0]");
   TORCH_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
   check_items(perm, "perm");
+}
+
+void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
+                            const c10::optional<at::Tensor>& cache,
+                            const c10::optional<at::Tensor>& at) {
+  const auto dtype = rows.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
+              "rows must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1) &&
+                  rows.stride(0) >= rows.size(1),
+              "rows must be (rows, dim) with each row's elements contiguous, got shape ",
+              rows.sizes(), " strides ", rows.strides());
+  check_vectors({{index, "index", at::kLong}});
+  check_same_device(index, "index", rows, "rows");
+  TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together: give both or "
+              "neither");
+  if (!cache.has_value()) return;
+  TORCH_CHECK(cache->dim() == 2 && cache->size(1) == rows.size(1) &&
+                  (cache->size(1) <= 1 || cache->stride(1) == 1) &&
+                  cache->stride(0) >= cache->size(1),
+              "cache must be (slots, ", rows.size(1), ") with each row's elements contiguous, "
+              "got shape ", cache->sizes(), " strides ", cache->strides());
+  TORCH_CHECK(cache->scalar_type() == dtype, "cache must be ", dtype, " like rows, got ",
+              cache->scalar_type());
+  check_same_device(*cache, "cache", rows, "rows");
+  check_vectors({{*at, "at", at::kLong}});
+  check_same_device(*at, "at", rows, "rows");
+  TORCH_CHECK(at->numel() >= rows.size(0), "at must have an entry a row of rows (",
+              rows.size(0), "), got ", at->numel());
 }
 
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,

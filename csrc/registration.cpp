@@ -58,11 +58,20 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   m.def("_distinct(Tensor index, int bound) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // out (rows, dim): out[r] = the sum of grad[perm[j]] over j in [starts[r], starts[r + 1]) (in
   // that order on the CPU; in a fixed order on a GPU: deterministic, no atomics) for
-  // r < min(count, rows, len(starts) - 1), zero for the other rows. grad (len(perm), dim), a
-  // floating dtype; perm and starts as _distinct gives them (their values are trusted: on a GPU
-  // they are not checked), count one int64, all on grad's device. The backward of a lookup of
-  // staged rows by the positions _distinct sorted.
-  m.def("_segment_sum(Tensor grad, Tensor perm, Tensor starts, Tensor count, int rows) -> Tensor");
+  // r < min(count, rows, len(starts) - 1), zero for the other rows (left as they are with
+  // zero_tail false: a caller that reads rows below count only). grad is the rows of the
+  // `grads` pieces in turn (each (n_k, dim), one floating dtype; len(perm) rows in all), read
+  // where they are (a step's outputs' gradients, never joined on a GPU); perm and starts as
+  // _distinct gives them (their values are trusted: on a GPU they are not checked), count one
+  // int64, all on one device. The backward of a lookup of staged rows by the positions
+  // _distinct sorted.
+  m.def("_segment_sum(Tensor[] grads, Tensor perm, Tensor starts, Tensor count, int rows, "
+        "bool zero_tail=True) -> Tensor");
+  // out (len(index), dim): out[p] = row index[p] of rows (n, dim; its elements contiguous, rows
+  // any stride apart), or, given a cache (slots, dim, the same way) and at (n entries, one a row
+  // of rows), cache row at[index[p]] where that is a slot (0 <= at < slots): a step's lookup
+  // that reads its cached rows where they live. index in [0, n) (trusted on a GPU, like at).
+  m.def("_gather_staged(Tensor rows, Tensor index, Tensor? cache=None, Tensor? at=None) -> Tensor");
   // (order, count): the positions of the true flags ascending, then the others descending;
   // count (one int64) how many are true.
   m.def("_partition(Tensor flags) -> (Tensor, Tensor)");
@@ -113,8 +122,8 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // 1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step; step the step count after this
   // step's increment (Adagrad, Adam), read on the device when it lives there. With a row cache
   // (parts, slots, width) and at (a slot per staged row, as _cache_lookup gives it): a row whose
-  // at[r] is a slot is updated there (its state read there, weight and state written there;
-  // the weight, and RowWiseAdagrad's accumulator, read from buf, which holds them).
+  // at[r] is a slot is updated there (its weight and state read and written there; its row in
+  // buf is not read: a step need not stage a cached row's weight).
   m.def("_fused_row_update(Tensor(a!) buf, Tensor grad, Tensor count, Tensor? step, int rule, "
         "float[] hyper, int flags, int[] state_parts, Tensor(b!)? cache=None, Tensor? at=None) "
         "-> ()");

@@ -299,7 +299,9 @@ class HostEmbeddingBagCollection(nn.Module):
             if not feats:
                 continue
             group = self.groups[g]
-            plan, d, _ = group._stage((flat,))
+            # Features without pooling alone read the rows through _lookup only.
+            plan, d, _ = group._stage((flat,), lookup_only=all(f.pooling == "none"
+                                                               for f in feats))
             self._count(g, d)
             rows = group._lookup_rows(d.inverse)
             index = d.inverse
@@ -311,10 +313,10 @@ class HostEmbeddingBagCollection(nn.Module):
                 lo = mine[0][1]
                 hi = lo + sum(sizes)
                 if mode == "none":
-                    # split, not slices: its backward is one cat, a slice's a zeroed whole.
-                    whole = lo == 0 and hi == len(index)  # the segment sum needs every position
-                    out = (_lookup(rows, d) if whole else F.embedding(index[lo:hi], rows))
-                    out = out.split(sizes)
+                    if lo == 0 and hi == len(index):  # the segment sum needs every position
+                        out = _lookup(rows, d, sizes, **group._lookup_source())  # no joins
+                    else:  # split, not slices: its backward is one cat, a slice's a zeroed whole
+                        out = F.embedding(index[lo:hi], rows).split(sizes)
                     for (f, _), piece in zip(mine, out):
                         outputs[f.name] = piece
                     continue
@@ -338,14 +340,20 @@ class HostEmbeddingBagCollection(nn.Module):
 
     def _count(self, g: int, d) -> None:
         """Add a stage's distinct rows of group `g`, and the cache's hits among them, to their
-        tables' counts."""
+        tables' counts: the distinct ids ascend and each table holds a range of the group's
+        rows, so a table's counts are differences of running counts at its end (a few
+        searches, not an add a row: those pile onto a handful of counters)."""
         group = self.groups[g]
         ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
-        table = mine[torch.bucketize(d.ids, ends, right=True).clamp_(max=len(mine) - 1)]
+        key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
+        upto = torch.searchsorted(key, ends)  # distinct rows below each table's end
         hits = group.store.last_hits()
-        counts = torch.stack([d.valid, hits if hits is not None else torch.zeros_like(d.valid)],
-                             1).to(torch.int64)
-        self._table_stats.index_add_(0, table, counts)
+        zero = upto.new_zeros(1)
+        hits_upto = (torch.cat([zero, torch.cumsum(hits, 0)])[upto] if hits is not None
+                     else torch.zeros_like(upto))
+        counts = torch.stack([torch.diff(upto, prepend=zero),
+                              torch.diff(hits_upto, prepend=zero)], 1)
+        self._table_stats.index_add_(0, mine, counts)
 
     @_eager
     def step(self) -> None:

@@ -133,30 +133,46 @@ class _Guard(torch.autograd.Function):
 
 
 class _Lookup(torch.autograd.Function):
-    """The staged rows at every position of a step, ``rows[d.inverse]``, whose backward sums
-    each row's gradients over the positions the step's ``Distinct`` sorted (``perm``,
-    ``starts``): a deterministic segment sum (``ops._segment_sum``), no atomics on a hot row's
-    positions and no second sort."""
+    """The staged rows at every position of a step, ``rows[d.inverse]``, as one output per
+    piece of the positions (``sizes``; each its own tensor, no view of another). Its backward
+    sums each row's gradients over the positions the step's ``Distinct`` sorted (``perm``,
+    ``starts``), reading the outputs' gradients where they are (nothing joins them first): a
+    deterministic segment sum (``ops._segment_sum``), no atomics on a hot row's positions and
+    no second sort."""
 
     @staticmethod
-    def forward(ctx, rows, d):
+    def forward(ctx, rows, d, sizes, zero_tail, cache, at):
         ctx.save_for_backward(d.perm, d.starts, d.count)
-        ctx.rows = rows.shape[0]
-        return F.embedding(d.inverse, rows)
+        ctx.rows, ctx.zero_tail = rows.shape[0], zero_tail
+        return _gather(rows, d, sizes, cache, at)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         perm, starts, count = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1])
-        return ops._segment_sum(grad.contiguous(), perm, starts, count, ctx.rows), None
+        pieces = [g.reshape(-1, g.shape[-1]).contiguous() for g in grads]
+        return (ops._segment_sum(pieces, perm, starts, count, ctx.rows, ctx.zero_tail),
+                None, None, None, None, None)
 
 
-def _lookup(rows: Tensor, d: Distinct) -> Tensor:
-    """``rows[d.inverse]``, through _Lookup when a gradient may flow."""
+def _gather(rows: Tensor, d: Distinct, sizes: Sequence[int], cache: Optional[Tensor],
+            at: Optional[Tensor]) -> tuple:
+    """The pieces of ``rows[d.inverse]`` (see _lookup)."""
+    index = d.inverse.split(list(sizes)) if len(sizes) > 1 else (d.inverse,)
+    if rows.device.type == "cpu" and cache is None:
+        return tuple(F.embedding(i, rows) for i in index)  # torch's threads
+    return tuple(ops._gather_staged(rows, i, cache, at) for i in index)
+
+
+def _lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], zero_tail: bool = True,
+            cache: Optional[Tensor] = None, at: Optional[Tensor] = None) -> tuple:
+    """``rows[d.inverse]`` split into pieces of ``sizes`` positions (one tensor each), through
+    _Lookup when a gradient may flow; with a ``cache`` (its weight rows) and ``at`` (a slot a
+    distinct row), a row whose slot is given is read from the cache (its staged row is not).
+    ``zero_tail=False``: the gradient's rows past the distinct count are left unwritten."""
     if not rows.requires_grad:
-        return F.embedding(d.inverse, rows)
-    return _Lookup.apply(rows, d)
+        return _gather(rows.detach(), d, sizes, cache, at)
+    return _Lookup.apply(rows, d, list(sizes), zero_tail, cache, at)
 
 
 @dataclass
@@ -336,6 +352,8 @@ class _HostRowsModule(nn.Module):
         self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
                                     device=device)
         self._staged: Optional[_Staged] = None
+        self._in_place = False  # see _stage
+        self._grad_tail_unset = False  # see _lookup_source
         self._spare_at = 0  # the staged rows before the spare ones (see _stage)
         # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
         # the buffer here exists ahead of that step, so the first step leaves it out. Whether
@@ -388,16 +406,20 @@ class _HostRowsModule(nn.Module):
     def _training(self) -> bool:
         return torch.is_grad_enabled() and self.training and not self.frozen
 
-    def _stage(self, ids: Sequence, spare: int = 0) -> tuple:
+    def _stage(self, ids: Sequence, spare: int = 0, lookup_only: bool = False) -> tuple:
         """Stage the distinct rows of all `ids` tensors (a forward's staged rows still there
         are dropped first); returns (the plan, its Distinct, the shapes of the id tensors). A
         training forward keeps them for step(); a read-only one writes back what max_norm
-        renormalised, or nothing."""
+        renormalised, or nothing. `lookup_only`: the forward reads the rows only through
+        ``_lookup`` (no bags), which then reads a cached row in its slot when the step updates
+        it there: its weight is not staged either (``_in_place``)."""
         self.discard()
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
         plan = self._plan(tensors)
-        buf, d = self.store.stage(plan, spare, direct=self._direct())
+        direct = self._direct()
+        self._in_place = direct and lookup_only
+        buf, d = self.store.stage(plan, spare, direct=direct, weights=not self._in_place)
         # The staged rows the optimizer and the backward see: on the CPU, where the count is
         # known without a wait, the distinct rows only (the rest would cost the optimizer's
         # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
@@ -475,6 +497,7 @@ class _HostRowsModule(nn.Module):
         with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
             self._rows.set_(self.layout.of_staged(buf, "weight"))
         self._rows.grad = None
+        self._grad_tail_unset = False
         state = self.optimizer.state[self._rows]
         for key in self.state_keys:
             state[key] = self.layout.of_staged(buf, key)
@@ -563,6 +586,7 @@ class _HostRowsModule(nn.Module):
                                "a hyper-parameter became a tensor on a GPU, after the "
                                "forward); nothing was updated. Call discard() and run the step "
                                "again")
+        self._settle_grad()  # torch's step reads every row of the gradient
         if not first or grad is None:
             self.optimizer.step()
             return
@@ -689,7 +713,33 @@ class _HostRowsModule(nn.Module):
         backward and ``step()``: the staged rows (the touched rows, each once; the rest of the
         table's gradient is zero). For gradient clipping with the dense parameters (see
         ``clip_grad_norm_``); scaling their ``.grad`` in place scales what ``step()`` applies."""
+        self._settle_grad()
         return [self._rows]
+
+    def _lookup_source(self) -> dict:
+        """_lookup's keyword arguments for the staged step: a fused step reads the gradient's
+        rows below the distinct count only, so the rest stays unwritten (until _settle_grad);
+        rows updated in their cache slots are read there (``_in_place``)."""
+        if self._staged is None:
+            return {}
+        kwargs = {}
+        if self.fused:
+            kwargs["zero_tail"] = False
+            self._grad_tail_unset = True
+        cache, at = self.store.direct_target() if self._in_place else (None, None)
+        if cache is not None:  # a store without a cache staged every row whole
+            kwargs.update(cache=self.layout.of_staged(cache, "weight"), at=at)
+        return kwargs
+
+    def _settle_grad(self) -> None:
+        """Zero the staged gradient's rows past the distinct count where the lookup's backward
+        left them unwritten: before anything reads the whole gradient (clipping, torch's own
+        optimizer step)."""
+        grad = self._rows.grad
+        if self._grad_tail_unset and grad is not None and self._staged is not None:
+            live = torch.arange(grad.shape[0], device=grad.device) < self._staged.distinct.count
+            grad.masked_fill_(~live.view(-1, *([1] * (grad.dim() - 1))), 0)
+        self._grad_tail_unset = False
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,
@@ -884,13 +934,15 @@ class HostEmbedding(_HostRowsModule):
 
     @_eager
     def forward(self, input, *more_input):
-        plan, d, shapes = self._stage((input, *more_input))
+        plan, d, shapes = self._stage((input, *more_input), lookup_only=True)
         pad_at = self._staged.pad_at if self._staged is not None else None
-        rows = _lookup(self._lookup_rows(d.inverse, pad_at), d)
-        return self._outputs(rows, shapes)
+        pieces = _lookup(self._lookup_rows(d.inverse, pad_at), d, [s.numel() for s in shapes],
+                         **self._lookup_source())
+        outs = tuple(p.view(*s, self.embedding_dim) for p, s in zip(pieces, shapes))
+        return outs[0] if len(shapes) == 1 else outs
 
     def _outputs(self, rows: Tensor, shapes: list):
-        """The staged rows per position split into one output per id tensor."""
+        """Rows of every position (a sharded step's) split into one output per id tensor."""
         outs, start = [], 0
         for shape in shapes:
             n = shape.numel()

@@ -155,10 +155,22 @@ def _distinct(index: Tensor, bound: int):
     return _ops._distinct.default(index, bound)
 
 
-def _segment_sum(grad: Tensor, perm: Tensor, starts: Tensor, count: Tensor, rows: int) -> Tensor:
+def _segment_sum(grads: Sequence[Tensor], perm: Tensor, starts: Tensor, count: Tensor,
+                 rows: int, zero_tail: bool = True) -> Tensor:
     """(rows, dim): row r the sum of ``grad[perm[starts[r]:starts[r + 1]]]`` for r below
-    ``count`` (one int64), zero after; deterministic (no atomics)."""
-    return _ops._segment_sum.default(grad, perm, starts, count, rows)
+    ``count`` (one int64), zero after (undefined with ``zero_tail=False``: for a caller that
+    reads the rows below count only), where grad is the rows of the `grads` pieces in turn
+    (each contiguous (n_k, dim); on a GPU read in place, never joined); deterministic (no
+    atomics)."""
+    return _ops._segment_sum.default(list(grads), perm, starts, count, rows, zero_tail)
+
+
+def _gather_staged(rows: Tensor, index: Tensor, cache: Optional[Tensor] = None,
+                 at: Optional[Tensor] = None) -> Tensor:
+    """``rows[index]`` (a new contiguous tensor), except that with a ``cache`` (slots, dim) a
+    row r whose ``at[r]`` names a slot is read from that slot: a step's lookup of rows the
+    cache holds, where they live."""
+    return _ops._gather_staged.default(rows, index, cache, at)
 
 
 def _partition(flags: Tensor):
@@ -350,10 +362,19 @@ def _distinct_fake(index: Tensor, bound: int):
 
 
 @torch.library.register_fake("speedtorch_ops::_segment_sum")
-def _segment_sum_fake(grad, perm, starts, count, rows: int):
-    torch._check(grad.dim() == 2 and grad.shape[0] == perm.shape[0],
-                 lambda: "grad must have one row a position of perm")
-    return grad.new_empty((rows, grad.shape[1]))
+def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = True):
+    torch._check(len(grads) > 0, lambda: "grads must hold at least one tensor")
+    torch._check(all(g.dim() == 2 and g.shape[1] == grads[0].shape[1] for g in grads),
+                 lambda: "grads must be (positions, dim) tensors of one dim")
+    torch._check(sum(g.shape[0] for g in grads) == perm.shape[0],
+                 lambda: "grads must have one row a position of perm")
+    return grads[0].new_empty((rows, grads[0].shape[1]))
+
+
+@torch.library.register_fake("speedtorch_ops::_gather_staged")
+def _gather_staged_fake(rows, index, cache=None, at=None):
+    torch._check(rows.dim() == 2 and index.dim() == 1, lambda: "rows (n, dim), index 1-D")
+    return rows.new_empty((index.shape[0], rows.shape[1]))
 
 
 @torch.library.register_fake("speedtorch_ops::_partition")

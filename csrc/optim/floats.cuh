@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
+
 namespace speedtorch_ops::cuda {
 
 // Math in float for 16- and 32-bit values, double for double.
@@ -27,6 +29,31 @@ template <> __device__ __forceinline__ void store(__half* p, float v) { *p = __f
 template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) {
   *p = __float2bfloat16(v);
 }
+
+// VW consecutive elements moved by one load or store instruction: 16 bytes with
+// VW = 16 / sizeof(V) where every row and pointer allows it (a lane then moves a 512-byte row's
+// share at once), else VW = 1.
+template <class V, int VW> struct alignas(VW * sizeof(V)) Pack {
+  V v[VW];
+};
+
+template <class V, int VW, class T> __device__ __forceinline__ void load_pack(T* x, const V* p) {
+  const Pack<V, VW> in = *reinterpret_cast<const Pack<V, VW>*>(p);
+  for (int e = 0; e < VW; ++e) x[e] = load(&in.v[e]);
+}
+
+template <class V, int VW, class T> __device__ __forceinline__ void add_pack(T* acc, const V* p) {
+  const Pack<V, VW> in = *reinterpret_cast<const Pack<V, VW>*>(p);
+  for (int e = 0; e < VW; ++e) acc[e] += load(&in.v[e]);
+}
+
+template <class V, int VW, class T> __device__ __forceinline__ void store_pack(V* p, const T* x) {
+  Pack<V, VW> out;
+  for (int e = 0; e < VW; ++e) store(&out.v[e], x[e]);
+  *reinterpret_cast<Pack<V, VW>*>(p) = out;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // go(V{}) for the element type of `elem` (F32, F64, F16, BF16); others are refused.
 template <class F> cudaError_t with_float_elem(Elem elem, F&& go) {

@@ -4,6 +4,7 @@
 #include "floats.cuh"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace speedtorch_ops::cuda {
 namespace {
@@ -32,11 +33,12 @@ struct Target {
   int64_t at_len;
 };
 
-// One warp a row: its lanes stride over the row's columns. A row-wise accumulator takes the
-// mean of the row's squared gradients (a warp reduction) before the weights move. The weight
-// (and a row-wise accumulator) is read from the staged row; the per-element state from where
-// the row lives; all of it is written there.
-template <class V>
+// One warp a row: its lanes stride over the row's columns, VW at a time. A row-wise
+// accumulator takes the mean of the row's squared gradients (a warp reduction) before the
+// weights move. The weight and state are read from where the row lives and written there (a
+// cached row's in its slot: its weight need not be staged). Every load of a row's piece comes
+// before the arithmetic, so a lane keeps them all in flight at once.
+template <class V, int VW>
 __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, int64_t width,
                                         int64_t dim, const V* grad, const int64_t* count,
                                         optim::Rule rule, optim::Hyper h, const void* step,
@@ -53,7 +55,6 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
   const bool momentum = rule == optim::Rule::kSgd && parts.count > 0;
   for (int64_t r = blockIdx.x * int64_t{blockDim.x / kWarp} + threadIdx.x / kWarp; r < rows;
        r += warps) {
-    const V* w_row = buf + r * width;
     const V* g_row = grad + r * dim;
     V* home = buf + r * width;  // part 0 of where the row lives
     int64_t stride = part_stride;
@@ -68,22 +69,36 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
     if (rule == optim::Rule::kRowWiseAdagrad) {
       T sq = 0;
       for (int64_t j = lane; j < dim; j += kWarp) {
-        const T g = optim::effective_grad(load(g_row + j), load(w_row + j), h, rule);
+        const T g = optim::effective_grad(load(g_row + j), load(home + j), h, rule);
         sq += g * g;
       }
       sq = warp_sum(sq);
-      row_sum = load(w_row + dim) + sq / static_cast<T>(dim);
+      row_sum = load(home + dim) + sq / static_cast<T>(dim);
       __syncwarp();
       if (lane == 0) store(home + dim, row_sum);
     }
-    for (int64_t j = lane; j < dim; j += kWarp) {
-      T w = load(w_row + j);
-      const T g = optim::effective_grad(load(g_row + j), w, h, rule);
-      T s[3];
-      for (int k = 0; k < parts.count; ++k) s[k] = load(home + parts.part[k] * stride + j);
-      optim::update(rule, h, g, w, s, momentum, row_sum);
-      store(home + j, w);
-      for (int k = 0; k < parts.count; ++k) store(home + parts.part[k] * stride + j, s[k]);
+    for (int64_t j = lane * VW; j < dim; j += kWarp * VW) {
+      T w[VW], g[VW], s[3][VW] = {};
+      load_pack<V, VW>(w, home + j);
+      load_pack<V, VW>(g, g_row + j);
+      // Constant trip counts (a state part past the rule's count is skipped), unrolled: the
+      // state stays in registers.
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        if (k < parts.count) load_pack<V, VW>(s[k], home + parts.part[k] * stride + j);
+      }
+#pragma unroll
+      for (int e = 0; e < VW; ++e) {
+        T st[3] = {s[0][e], s[1][e], s[2][e]};
+        optim::update(rule, h, optim::effective_grad(g[e], w[e], h, rule), w[e], st, momentum,
+                      row_sum);
+        for (int k = 0; k < 3; ++k) s[k][e] = st[k];
+      }
+      store_pack<V, VW>(home + j, w);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        if (k < parts.count) store_pack<V, VW>(home + parts.part[k] * stride + j, s[k]);
+      }
     }
   }
 }
@@ -104,9 +119,20 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
   const int blocks = static_cast<int>(std::min<int64_t>((n + per_block - 1) / per_block, 8192));
   const auto go = [&](auto zero) {
     using V = decltype(zero);
-    fused_row_update_kernel<V><<<blocks, kUpdateThreads, 0, stream>>>(
-        static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count, rule,
-        h, step, step_f64, parts, Target{cache, cache_stride, slots, at, at_len});
+    constexpr int kVec = static_cast<int>(16 / sizeof(V));
+    const bool vec = dim % kVec == 0 && width % kVec == 0 && part_stride % kVec == 0 &&
+                     aligned16(buf) && aligned16(grad) &&
+                     (cache == nullptr || (aligned16(cache) && cache_stride % kVec == 0));
+    const Target target{cache, cache_stride, slots, at, at_len};
+    if (vec) {
+      fused_row_update_kernel<V, kVec><<<blocks, kUpdateThreads, 0, stream>>>(
+          static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count,
+          rule, h, step, step_f64, parts, target);
+    } else {
+      fused_row_update_kernel<V, 1><<<blocks, kUpdateThreads, 0, stream>>>(
+          static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count,
+          rule, h, step, step_f64, parts, target);
+    }
     return cudaGetLastError();
   };
   return with_float_elem(elem, go);

@@ -18,9 +18,8 @@ namespace speedtorch_ops::cuda {
 // accumulator at part 0, column dim. Math in float (double for F64). h's step-dependent
 // constants come from *step (a float or double on the device, after this step's increment)
 // when step != nullptr, else as given. With a cache (parts cache_stride apart, `slots` rows of
-// width): a row r < at_len whose at[r] is a slot lives there: its per-element state is read there and
-// its weight and state are written there (the weight, and a row-wise accumulator, are read
-// from the staged row, which holds them).
+// width): a row r < at_len whose at[r] is a slot lives there: its weight and state are read and
+// written there (its staged row is not read).
 cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t part_stride,
                                     int64_t width, int64_t dim, const void* grad, const int64_t* count, optim::Rule rule,
                                     optim::Hyper h, const void* step, bool step_f64,

@@ -45,7 +45,6 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
     const int64_t row_bytes = (1 + states) * dim * static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, rows, grain_for(rows, row_bytes, 256), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        const scalar_t* w_row = base + r * width;
         const scalar_t* g_row = g_base + r * dim;
         // Where the row lives: its cache slot, else its staged row (part 0; parts `stride` apart).
         scalar_t* home = base + r * width;
@@ -54,6 +53,7 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
           home = c_base + slot_at[r] * width;
           stride = c_stride;
         }
+        const scalar_t* w_row = home;  // the weight too is read where the row lives
         T row_sum = 0;
         if (rule == optim::Rule::kRowWiseAdagrad) {
           T sq = 0;

@@ -1,5 +1,6 @@
 // _segment_sum on the CPU (registration.cpp has the contract): each output row sums its
-// segment's positions in order (the order index_add_ would add them), rows split over threads.
+// segment's positions in order (the order index_add_ would add them), rows split over threads;
+// several gradient pieces are joined first (a copy costs little beside the sums here).
 #include "speedtorch_ops/checks.h"
 
 #include <ATen/ATen.h>
@@ -14,9 +15,11 @@
 namespace speedtorch_ops {
 namespace {
 
-at::Tensor segment_sum_cpu(const at::Tensor& grad, const at::Tensor& perm,
-                           const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
-  check_segment_sum_args(grad, perm, starts, count, rows);
+at::Tensor segment_sum_cpu(at::TensorList grads, const at::Tensor& perm,
+                           const at::Tensor& starts, const at::Tensor& count, int64_t rows,
+                           bool zero_tail) {
+  check_segment_sum_args(grads, perm, starts, count, rows);
+  const at::Tensor grad = grads.size() == 1 ? grads[0] : at::cat(grads);
   const int64_t dim = grad.size(1), n_pos = grad.size(0), n_seg = starts.numel() - 1;
   auto out = at::empty({rows, dim}, grad.options());
   const int64_t live = std::clamp<int64_t>(count.item<int64_t>(), 0, std::min(rows, n_seg));
@@ -28,7 +31,9 @@ at::Tensor segment_sum_cpu(const at::Tensor& grad, const at::Tensor& perm,
     const scalar_t* g = grad.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
-    at::parallel_for(0, rows, grain_for(rows, row_bytes * 2, 256), [&](int64_t lo, int64_t hi) {
+    const int64_t written = zero_tail ? rows : live;  // rows past live: zeros, or left
+    at::parallel_for(0, written, grain_for(written, row_bytes * 2, 256),
+                     [&](int64_t lo, int64_t hi) {
       std::vector<T> acc(dim);
       for (int64_t r = lo; r < hi; ++r) {
         std::fill(acc.begin(), acc.end(), T(0));

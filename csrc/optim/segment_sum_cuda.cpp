@@ -1,5 +1,5 @@
 // _segment_sum on a GPU (registration.cpp has the contract; segment_sum.cu the kernels): two
-// launches on the current stream, nothing read back.
+// launches on the current stream, nothing read back; the gradient pieces are read in place.
 #include "../cuda/transfer.h"
 #include "segment_sum.h"
 #include "speedtorch_ops/checks.h"
@@ -11,25 +11,42 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace speedtorch_ops {
 namespace {
 
-at::Tensor segment_sum_cuda(const at::Tensor& grad, const at::Tensor& perm,
-                            const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
-  check_segment_sum_args(grad, perm, starts, count, rows);
-  const c10::cuda::CUDAGuard guard(grad.device());
-  const auto elem = cuda_impl::elem_of(grad.scalar_type());
-  const int64_t n_pos = grad.size(0), dim = grad.size(1);
-  auto out = at::empty({rows, dim}, grad.options());
+at::Tensor segment_sum_cuda(at::TensorList grads, const at::Tensor& perm,
+                            const at::Tensor& starts, const at::Tensor& count, int64_t rows,
+                            bool zero_tail) {
+  check_segment_sum_args(grads, perm, starts, count, rows);
+  const c10::cuda::CUDAGuard guard(perm.device());
+  // More pieces than a kernel argument holds are joined into one (a copy of the gradient).
+  std::vector<at::Tensor> joined;
+  if (grads.size() > static_cast<size_t>(cuda::kMaxGradPieces)) {
+    joined.push_back(at::cat(grads));
+    grads = joined;
+  }
+  const at::Tensor& first = grads[0];
+  const auto elem = cuda_impl::elem_of(first.scalar_type());
+  const int64_t n_pos = perm.numel(), dim = first.size(1);
+  cuda::GradPieces pieces{};
+  int64_t end = 0;
+  for (const at::Tensor& g : grads) {
+    pieces.ptr[pieces.count] = g.const_data_ptr();
+    end += g.size(0);
+    pieces.end[pieces.count] = end;
+    ++pieces.count;
+  }
+  auto out = at::empty({rows, dim}, first.options());
   const size_t bytes = cuda::segment_sum_scratch_bytes(elem, n_pos, dim);
   auto scratch = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
-                           grad.options().dtype(at::kByte));
+                           first.options().dtype(at::kByte));
   C10_CUDA_CHECK(cuda::launch_segment_sum(
-      elem, grad.const_data_ptr(), n_pos, dim, perm.const_data_ptr<int64_t>(),
-      starts.const_data_ptr<int64_t>(), starts.numel() - 1, count.const_data_ptr<int64_t>(),
-      out.mutable_data_ptr(), rows, scratch.mutable_data_ptr(),
-      at::cuda::getCurrentCUDAStream(grad.device().index())));
+      elem, pieces, n_pos, dim, perm.const_data_ptr<int64_t>(), starts.const_data_ptr<int64_t>(),
+      starts.numel() - 1, count.const_data_ptr<int64_t>(), out.mutable_data_ptr(), rows,
+      zero_tail, scratch.mutable_data_ptr(),
+      at::cuda::getCurrentCUDAStream(perm.device().index())));
   return out;
 }
 

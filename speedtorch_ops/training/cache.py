@@ -224,14 +224,16 @@ class HostRows:
                              bounds_check=_NO_WAIT, sms=sms)
 
     @_phase
-    def stage(self, plan: Plan, spare: int = 0, direct: bool = False) -> tuple:
+    def stage(self, plan: Plan, spare: int = 0, direct: bool = False,
+              weights: bool = True) -> tuple:
         """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
         Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
         optimizer that reduces over the whole buffer would see them); ``spare`` rows past the
         plan's are the caller's (a bag's padding entries point there). On the CPU the buffer is
         the store's own, and the next stage reuses it (``_stage_buffer``). ``direct`` (the
         caller updates the rows with ``direct_target``): a cache stages only the weight part of
-        its hits and updates them in their slots; this store has none, so it changes nothing."""
+        its hits (none of it with ``weights=False``: the caller reads them in their slots too)
+        and updates them in their slots; this store has none, so neither changes anything."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
         carried = self._take_carry(buf, d, d.valid)
@@ -489,7 +491,8 @@ class CachedRows(HostRows):
         return self.slot_of[ids] >= 0
 
     @_phase
-    def stage(self, plan: Plan, spare: int = 0, direct: bool = False) -> tuple:
+    def stage(self, plan: Plan, spare: int = 0, direct: bool = False,
+              weights: bool = True) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
         # Hits from the cache (every other entry names the slot past its end), misses from the
@@ -511,10 +514,10 @@ class CachedRows(HostRows):
         # The hits' rows only (a miss's `at` is past the cache), not every position as an
         # index_select would; direct: their weight part only (the update reads their state in
         # the cache and writes them there).
-        if direct:
-            ops._take_rows(buf[:1], self.cache[:1], at, d.count)
-        else:
+        if not direct:
             ops._take_rows(buf, self.cache, at, d.count)
+        elif weights:
+            ops._take_rows(buf[:1], self.cache[:1], at, d.count)
         # The misses no prefetch loaded, on this stream (it needs them next), capped like the
         # lane's loads: they share the link with the evictions. No row is in both: a miss is not
         # cached, an evicted row is.

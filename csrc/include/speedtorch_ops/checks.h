@@ -188,10 +188,18 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const c10::optional<at::Tensor>& cache = c10::nullopt,
                                 const c10::optional<at::Tensor>& at = c10::nullopt);
 
-// _segment_sum: grad (n, dim) floating (float32, float64, float16, bfloat16), contiguous; perm
-// 1-D int64 of n entries, starts 1-D int64 of at least 1, count one int64, all contiguous on
-// grad's device; rows >= 0.
-void check_segment_sum_args(const at::Tensor& grad, const at::Tensor& perm,
+// _segment_sum: grads at least one (n_k, dim) tensor, each contiguous, of one floating dtype
+// (float32, float64, float16, bfloat16), one dim and one device; perm 1-D int64 of sum(n_k)
+// entries, starts 1-D int64 of at least 1, count one int64, all contiguous on grads' device;
+// rows >= 0.
+void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
                             const at::Tensor& starts, const at::Tensor& count, int64_t rows);
+
+// _gather_staged: rows (n, dim) floating (float32, float64, float16, bfloat16) with contiguous
+// elements; index 1-D int64 contiguous; cache and at both or neither: cache (slots, dim) like
+// rows (dtype, device, elements contiguous), at 1-D int64 contiguous of at least n entries.
+void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
+                            const c10::optional<at::Tensor>& cache,
+                            const c10::optional<at::Tensor>& at);
 
 }  // namespace speedtorch_ops
