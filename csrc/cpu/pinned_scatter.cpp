@@ -29,13 +29,10 @@ struct PosRow {
 struct Owned {
   int64_t parts = 1;            // owners; 1: a single pass in index order
   // Positions with their rows, owner by owner, each owner's in index order: the owner reads
-  // them in one sequential pass instead of looking each row up in the index again (H100 host,
-  // 16 threads, 1 M random rows into 8 GiB, old and new in alternating processes of two calls:
-  // 32 B 1.76-2.71 ms against 2.08-3.86, 64 B 1.75-2.09 against 1.93-2.67). Left
+  // them in one sequential pass instead of looking each row up in the index again. Left
   // uninitialized (the placing pass writes every entry): a std::vector zeroes it first, on one
-  // thread, which took as long as both parallel passes (H100 host, 16 threads, 1 M positions:
-  // bucketing 0.81-1.07 ms with the zeroing, 0.35-0.66 without; the scatter of 64 B rows into
-  // 8 GiB 2.06-2.20 against 2.63).
+  // thread, which took as long as both parallel passes (docs/decisions.md, "The CPU scatter's
+  // owner buckets").
   std::unique_ptr<PosRow[]> order;
   std::vector<int64_t> start;   // where each owner's positions start in `order` (parts + 1)
 };

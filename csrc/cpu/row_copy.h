@@ -1,6 +1,6 @@
 // Row copies for the CPU kernels. Small common row sizes get a fixed-size memcpy, which the
 // compiler turns into a few vector moves instead of a libc call per row. Not 256 B and up: g++
-// turns those into `rep movs`, measured 1.5x slower than libc's memcpy for 512 B rows.
+// turns those into `rep movs`, measured slower than libc's memcpy for 512 B rows.
 #pragma once
 
 #include <algorithm>
@@ -62,10 +62,8 @@ inline bool can_stream_rows(const void* table, int64_t row_bytes, int64_t table_
 // put them in memory, where the copy reads them at its full rate; rows left in the CPU's
 // caches (written normally) slow the copy, which must fetch them from there. Consecutive rows
 // fill each line in turn, so rows of any multiple of 16 bytes could stream, but rows under
-// 128 B gather faster with normal stores even beside the copies: the CPU side's load of 1 M
-// random 64 B rows of an 8 GiB table took 2.00-2.02 ms against 2.74-2.84 streamed, 512 k of
-// 24 GiB 1.31-1.36 against 1.45-1.46 (H100 host, 16 threads, one parallel region for all
-// chunks); 128 B rows tied, 512 B rows were faster streamed (1.92-1.97 against 1.99-2.17).
+// 128 B gathered faster with normal stores even beside the copies (docs/decisions.md,
+// "Streaming stores for staged rows").
 constexpr int64_t kStreamOutMinBytes = 128;
 
 inline bool can_stream_out(const void* out, int64_t row_bytes) {
@@ -104,11 +102,8 @@ inline void end_streaming() {
 // Reading random rows of a table larger than the caches, a thread waits on memory (and, over
 // many GiB, on a page walk) for each row; out-of-order execution overlaps little more than the
 // next row's misses. Asking for the row some 2 KiB of rows ahead (at most 16 rows, at least
-// the next one) while copying this one keeps several rows' misses in flight. Measured on the
-// H100 host (16 threads, one process, the distance rotated over three rounds): 8 GiB tables,
-// 1 M rows of 32 B 1.11-1.12 ms at 16 rows ahead against 1.26-1.30 with none, 64 B
-// 1.16-1.23 against 1.44-1.66, 512 k of 128 B 0.82-0.87 against 1.00-1.09; 24 GiB, 512 k of
-// 64 B 0.68-0.73 against 0.84-0.93. Rows of 512 B were level at 4 ahead and slower at 16.
+// the next one) while copying this one keeps several rows' misses in flight; rows of 512 B
+// gained nothing from it (docs/decisions.md, "Read-ahead in the CPU gather").
 inline int64_t prefetch_ahead(int64_t row_bytes, int64_t table_bytes) {
   if (table_bytes < kBeyondCacheBytes || row_bytes < 32) return 0;
   return std::clamp<int64_t>((int64_t{2} << 10) / row_bytes, 1, 16);
