@@ -132,6 +132,15 @@ class _Guard(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@dataclass
+class _GradTail:
+    """Whether a lookup's backward writes the gradient's rows past the distinct count
+    (``zero``, read when the backward runs: a reader of the whole gradient known by then asks
+    for it), and whether one left them unwritten (``unset``)."""
+    zero: bool
+    unset: bool = False
+
+
 class _Lookup(torch.autograd.Function):
     """The staged rows at every position of a step, ``rows[d.inverse]``, as one output per
     piece of the positions (``sizes``; each its own tensor, no view of another). Its backward
@@ -141,9 +150,9 @@ class _Lookup(torch.autograd.Function):
     no second sort."""
 
     @staticmethod
-    def forward(ctx, rows, d, sizes, zero_tail, cache, at):
+    def forward(ctx, rows, d, sizes, tail, cache, at):
         ctx.save_for_backward(d.perm, d.starts, d.count)
-        ctx.rows, ctx.zero_tail = rows.shape[0], zero_tail
+        ctx.rows, ctx.tail = rows.shape[0], tail
         return _gather(rows, d, sizes, cache, at)
 
     @staticmethod
@@ -151,7 +160,11 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx, *grads):
         perm, starts, count = ctx.saved_tensors
         pieces = [g.reshape(-1, g.shape[-1]).contiguous() for g in grads]
-        return (ops._segment_sum(pieces, perm, starts, count, ctx.rows, ctx.zero_tail),
+        tail = ctx.tail
+        zero = tail is None or tail.zero
+        if not zero:
+            tail.unset = True
+        return (ops._segment_sum(pieces, perm, starts, count, ctx.rows, zero),
                 None, None, None, None, None)
 
 
@@ -164,15 +177,16 @@ def _gather(rows: Tensor, d: Distinct, sizes: Sequence[int], cache: Optional[Ten
     return tuple(ops._gather_staged(rows, i, cache, at) for i in index)
 
 
-def _lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], zero_tail: bool = True,
+def _lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], tail: Optional[_GradTail] = None,
             cache: Optional[Tensor] = None, at: Optional[Tensor] = None) -> tuple:
     """``rows[d.inverse]`` split into pieces of ``sizes`` positions (one tensor each), through
     _Lookup when a gradient may flow; with a ``cache`` (its weight rows) and ``at`` (a slot a
     distinct row), a row whose slot is given is read from the cache (its staged row is not).
-    ``zero_tail=False``: the gradient's rows past the distinct count are left unwritten."""
+    ``tail``: whether the backward writes the gradient's rows past the distinct count (None:
+    it does)."""
     if not rows.requires_grad:
         return _gather(rows.detach(), d, sizes, cache, at)
-    return _Lookup.apply(rows, d, list(sizes), zero_tail, cache, at)
+    return _Lookup.apply(rows, d, list(sizes), tail, cache, at)
 
 
 @dataclass
@@ -353,7 +367,7 @@ class _HostRowsModule(nn.Module):
                                     device=device)
         self._staged: Optional[_Staged] = None
         self._in_place = False  # see _stage
-        self._grad_tail_unset = False  # see _lookup_source
+        self._tail: Optional[_GradTail] = None  # see _lookup_source
         self._spare_at = 0  # the staged rows before the spare ones (see _stage)
         # torch's SGD takes the first step's gradient as the momentum buffer (no dampening);
         # the buffer here exists ahead of that step, so the first step leaves it out. Whether
@@ -497,7 +511,7 @@ class _HostRowsModule(nn.Module):
         with torch.no_grad():  # set_, not .data: autograd then sees the new shape (an empty batch)
             self._rows.set_(self.layout.of_staged(buf, "weight"))
         self._rows.grad = None
-        self._grad_tail_unset = False
+        self._tail = None
         state = self.optimizer.state[self._rows]
         for key in self.state_keys:
             state[key] = self.layout.of_staged(buf, key)
@@ -713,33 +727,36 @@ class _HostRowsModule(nn.Module):
         backward and ``step()``: the staged rows (the touched rows, each once; the rest of the
         table's gradient is zero). For gradient clipping with the dense parameters (see
         ``clip_grad_norm_``); scaling their ``.grad`` in place scales what ``step()`` applies."""
-        self._settle_grad()
+        self._settle_grad(whole=True)
         return [self._rows]
 
     def _lookup_source(self) -> dict:
         """_lookup's keyword arguments for the staged step: a fused step reads the gradient's
-        rows below the distinct count only, so the rest stays unwritten (until _settle_grad);
-        rows updated in their cache slots are read there (``_in_place``)."""
+        rows below the distinct count only, so the rest stays unwritten unless something asks
+        for the whole gradient (see _settle_grad); rows updated in their cache slots are read
+        there (``_in_place``)."""
         if self._staged is None:
             return {}
-        kwargs = {}
-        if self.fused:
-            kwargs["zero_tail"] = False
-            self._grad_tail_unset = True
+        self._tail = _GradTail(zero=not self.fused)
+        kwargs = {"tail": self._tail}
         cache, at = self.store.direct_target() if self._in_place else (None, None)
         if cache is not None:  # a store without a cache staged every row whole
             kwargs.update(cache=self.layout.of_staged(cache, "weight"), at=at)
         return kwargs
 
-    def _settle_grad(self) -> None:
+    def _settle_grad(self, whole: bool = False) -> None:
         """Zero the staged gradient's rows past the distinct count where the lookup's backward
-        left them unwritten: before anything reads the whole gradient (clipping, torch's own
-        optimizer step)."""
-        grad = self._rows.grad
-        if self._grad_tail_unset and grad is not None and self._staged is not None:
+        left them unwritten, before something reads the whole gradient (clipping, torch's own
+        optimizer step); `whole`: from now on this step's backward writes them too (the
+        gradient may be asked for before the backward, or through torch.autograd.grad)."""
+        tail, grad = self._tail, self._rows.grad
+        if tail is None:
+            return
+        tail.zero |= whole
+        if tail.unset and grad is not None and self._staged is not None:
             live = torch.arange(grad.shape[0], device=grad.device) < self._staged.distinct.count
             grad.masked_fill_(~live.view(-1, *([1] * (grad.dim() - 1))), 0)
-        self._grad_tail_unset = False
+            tail.unset = False
 
     def cache_stats(self) -> dict:
         """Counts since construction (reading them waits for the GPU): distinct rows looked up,

@@ -374,6 +374,11 @@ def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = T
 @torch.library.register_fake("speedtorch_ops::_gather_staged")
 def _gather_staged_fake(rows, index, cache=None, at=None):
     torch._check(rows.dim() == 2 and index.dim() == 1, lambda: "rows (n, dim), index 1-D")
+    torch._check((cache is None) == (at is None),
+                 lambda: "cache and at go together: give both or neither")
+    if cache is not None:
+        torch._check(cache.dim() == 2 and cache.shape[1] == rows.shape[1] and at.dim() == 1,
+                     lambda: "cache (slots, dim) with rows' dim, at 1-D")
     return rows.new_empty((index.shape[0], rows.shape[1]))
 
 

@@ -42,7 +42,8 @@ at::Tensor segment_sum_cpu(at::TensorList grads, const at::Tensor& perm,
           const int64_t s1 = std::clamp<int64_t>(st[r + 1], s0, n_pos);
           for (int64_t j = s0; j < s1; ++j) {
             const int64_t pos = p[j];
-            TORCH_CHECK(pos >= 0 && pos < n_pos, "perm[", j, "] = ", pos, " is not a row of grad");
+            TORCH_CHECK(pos >= 0 && pos < n_pos, "perm[", j, "] = ", pos,
+                        " is not a row of grads (their rows in turn)");
             const scalar_t* row = g + pos * dim;
             for (int64_t c = 0; c < dim; ++c) acc[c] += static_cast<T>(row[c]);
           }

@@ -422,12 +422,24 @@ def test_cache_bytes_on_the_cpu_warns():
         so.HostEmbedding(10, 3, device="cpu", cache_bytes=1 << 20)
 
 
+def _poison(shape, device):
+    """Hand the allocator blocks of `shape` (float64) filled with NaN, so a gradient row that
+    is left unwritten reads NaN rather than whatever zeros a block happened to hold."""
+    if torch.device(device).type == "cuda":
+        blocks = [torch.full(shape, float("nan"), dtype=torch.float64, device=device)
+                  for _ in range(8)]
+        del blocks
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cached", [False, True])
-def test_parameter_count_and_gradient_clipping_see_the_tables(device, cached, gen):
+@pytest.mark.parametrize("when", ["after", "before", "autograd"])
+def test_parameter_count_and_gradient_clipping_see_the_tables(device, cached, when, gen):
     """The clip sees the whole step gradient: on a GPU the fused step's lookup leaves the
-    gradient's rows past the distinct ids unwritten, and the clip has them zeroed first; with a
-    cache, the rows read in their slots."""
+    gradient's rows past the distinct ids unwritten, and asking for the table's gradient
+    (step_parameters()) after the backward zeroes them, before it (`before`: the clip's
+    parameter list built first; `autograd`: torch.autograd.grad, which never fills .grad) has
+    the backward write them; with a cache, the rows read in their slots."""
     if cached and device == "cpu":
         pytest.skip("the row cache needs a GPU (GPU machine)")
     init = _init(gen)
@@ -444,9 +456,17 @@ def test_parameter_count_and_gradient_clipping_see_the_tables(device, cached, ge
     dense = torch.optim.SGD(ours.head.parameters(), lr=0.1)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ids = _ids(gen, (11,))
-    ours(ids.to(device)).backward()
-    norm = so.clip_grad_norm_(ours, 0.5)
+    ids[:4] = ids[4]  # repeats: the step's gradient has rows past its distinct ids
+    loss = ours(ids.to(device))
     ref(ids).backward()
+    if when == "autograd":
+        (g,) = torch.autograd.grad(loss, ours.emb.step_parameters(), retain_graph=True)
+        assert torch.allclose(g.norm().cpu(), ref.emb.weight.grad.norm(), rtol=1e-12)
+    params = list(ours.parameters()) + ours.emb.step_parameters() if when == "before" else None
+    _poison((11, DIM), device)
+    loss.backward()
+    norm = (torch.nn.utils.clip_grad_norm_(params, 0.5) if params is not None
+            else so.clip_grad_norm_(ours, 0.5))
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     assert torch.allclose(norm.cpu(), want, rtol=1e-12)
     ours.emb.step()

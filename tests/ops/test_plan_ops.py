@@ -219,8 +219,8 @@ def test_gather_staged_reads_cached_rows_in_their_slots(device, dtype, n, dim, w
     g = gen(n * 11 + dim + width + cached + shifted)
 
     def make(shape):  # a (rows, width) tensor, maybe one element past an aligned start
-        flat = torch.randn(shape[0] * shape[1] + shifted, generator=g).to(dtype)
-        return flat[shifted:].view(shape).to(dev)
+        flat = torch.randn(shape[0] * shape[1] + shifted, generator=g).to(dtype).to(dev)
+        return flat[shifted:].view(shape)  # shifted where it lives: a copy would realign it
 
     table = make((n, width))
     rows = table[:, :dim]
@@ -242,7 +242,8 @@ def test_gather_staged_reads_cached_rows_in_their_slots(device, dtype, n, dim, w
     from_cache = at[index]
     in_cache = (from_cache >= 0) & (from_cache < slots)
     want[in_cache] = cache_table.cpu()[:, :dim][from_cache[in_cache]]
-    staged = rows.clone()
+    staged = make((n, width))[:, :dim]
+    staged.copy_(rows)
     staged[at.to(dev).lt(slots) & at.to(dev).ge(0)] = float("nan")  # never read
     out = ops._gather_staged(staged, index.to(dev), cache_table[:, :dim], at.to(dev))
     assert out.shape == (3 * n, dim) and out.dtype == dtype

@@ -84,6 +84,9 @@ def test_fused_step_in_low_precision(device, dtype, name, dim, gen):
     # carries their rounding, not its own): each row within tol of its largest value.
     scale = ref.weight.abs().amax(1, keepdim=True).clamp(min=1)
     err = (ours.weight.double().cpu() - ref.weight.cpu()).abs() / scale
+    if cls is not torch.optim.Adam:
+        assert err.max() <= tol, (name, dtype, seed, float(err.max()))
+        return
     # Adam's step is about lr times the sign of its moment: where a gradient (with its weight
     # decay) nearly cancels, a rounding flips that sign and the element ends up to 2 lr per step
     # away. A rare element may do so (seen: 1 in 350); every other one stays within tol.
