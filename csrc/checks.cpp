@@ -253,6 +253,21 @@ void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& 
               like.device(), ", got ", t.device());
 }
 
+// A step's rows, gradients or state: float32, float64, float16 or bfloat16 (the kernels' Math
+// types); returns the dtype.
+at::ScalarType check_step_float(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
+              name, " must be float32, float64, float16 or bfloat16, got ", dtype);
+  return dtype;
+}
+
+// (rows, dim) with each row's elements contiguous and rows any stride (>= dim) apart.
+bool is_row_matrix(const at::Tensor& t) {
+  return t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1) && t.stride(0) >= t.size(1);
+}
+
 struct Vector {
   const at::Tensor& tensor;
   const char* name;
@@ -394,10 +409,7 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
                             const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
   TORCH_CHECK(!grads.empty(), "grads must hold at least one tensor (the rows' gradients)");
   const at::Tensor& first = grads[0];
-  const auto dtype = first.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                  dtype == at::kBFloat16,
-              "grads must be float32, float64, float16 or bfloat16, got ", dtype);
+  const auto dtype = check_step_float(first, "grads");
   int64_t n = 0;
   for (size_t k = 0; k < grads.size(); ++k) {
     const at::Tensor& g = grads[k];
@@ -424,12 +436,8 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
 void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
                             const c10::optional<at::Tensor>& cache,
                             const c10::optional<at::Tensor>& at) {
-  const auto dtype = rows.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                  dtype == at::kBFloat16,
-              "rows must be float32, float64, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(rows.dim() == 2 && (rows.size(1) <= 1 || rows.stride(1) == 1) &&
-                  rows.stride(0) >= rows.size(1),
+  const auto dtype = check_step_float(rows, "rows");
+  TORCH_CHECK(is_row_matrix(rows),
               "rows must be (rows, dim) with each row's elements contiguous, got shape ",
               rows.sizes(), " strides ", rows.strides());
   check_vectors({{index, "index", at::kLong}});
@@ -437,9 +445,7 @@ void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
   TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together: give both or "
               "neither");
   if (!cache.has_value()) return;
-  TORCH_CHECK(cache->dim() == 2 && cache->size(1) == rows.size(1) &&
-                  (cache->size(1) <= 1 || cache->stride(1) == 1) &&
-                  cache->stride(0) >= cache->size(1),
+  TORCH_CHECK(is_row_matrix(*cache) && cache->size(1) == rows.size(1),
               "cache must be (slots, ", rows.size(1), ") with each row's elements contiguous, "
               "got shape ", cache->sizes(), " strides ", cache->strides());
   TORCH_CHECK(cache->scalar_type() == dtype, "cache must be ", dtype, " like rows, got ",
@@ -461,10 +467,7 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
               "3 (Adam) or 4 (AdamW), got ", rule);
   TORCH_CHECK(buf.dim() == 3, "buf must be (parts, rows, width), got shape ", buf.sizes());
   check_rows_layout(buf, "buf");
-  const auto dtype = buf.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
-                  dtype == at::kBFloat16,
-              "buf must be float32, float64, float16 or bfloat16, got ", dtype);
+  const auto dtype = check_step_float(buf, "buf");
   TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (rows, dim) "
               "tensor, got shape ", grad.sizes());
   TORCH_CHECK(grad.scalar_type() == dtype, "grad must have buf's dtype ", dtype, ", got ",

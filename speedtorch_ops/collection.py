@@ -345,8 +345,7 @@ class HostEmbeddingBagCollection(nn.Module):
         searches, not an add a row: those pile onto a handful of counters)."""
         group = self.groups[g]
         ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
-        key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
-        upto = torch.searchsorted(key, ends)  # distinct rows below each table's end
+        upto = torch.searchsorted(d.key, ends)  # distinct rows below each table's end
         hits = group.store.last_hits()
         zero = upto.new_zeros(1)
         hits_upto = (torch.cat([zero, torch.cumsum(hits, 0)])[upto] if hits is not None

@@ -471,10 +471,9 @@ class _HostRowsModule(nn.Module):
         it), on the device; (None, None) without a padding_idx or ids."""
         if self.padding_idx is None or self._spare_at == 0:
             return None, None
-        key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
-        pad = torch.full((1,), self.padding_idx, dtype=torch.int64, device=key.device)
-        at = torch.searchsorted(key, pad).clamp_(max=self._spare_at - 1)
-        return at, key[at] == pad
+        pad = torch.full((1,), self.padding_idx, dtype=torch.int64, device=d.ids.device)
+        at = torch.searchsorted(d.key, pad).clamp_(max=self._spare_at - 1)
+        return at, d.key[at] == pad
 
     @torch.no_grad()
     def _renorm(self) -> None:
@@ -754,7 +753,8 @@ class _HostRowsModule(nn.Module):
             return
         tail.zero |= whole
         if tail.unset and grad is not None and self._staged is not None:
-            live = torch.arange(grad.shape[0], device=grad.device) < self._staged.distinct.count
+            # A lookup's gradient has a row a position (no spare rows): valid marks the live ones.
+            live = self._staged.distinct.valid[:grad.shape[0]]
             grad.masked_fill_(~live.view(-1, *([1] * (grad.dim() - 1))), 0)
             tail.unset = False
 

@@ -244,7 +244,8 @@ def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[T
     step), the per-element state in the parts ``state_parts``; ``step`` the step count after
     this step's increment (Adagrad, Adam, AdamW). Math in float32 (float64 for float64 rows).
     With a row ``cache`` (parts, slots, width) and ``at`` (a slot per staged row): a row whose
-    ``at[r]`` is a slot is updated in the cache (state read there; weight read from ``buf``)."""
+    ``at[r]`` is a slot is updated in the cache (weight and state read and written there; its
+    row in ``buf`` is not read)."""
     _ops._fused_row_update.default(buf, grad, count, step, rule, [float(v) for v in hyper],
                                    flags, list(state_parts), cache, at)
 

@@ -115,14 +115,22 @@ class Distinct:
          self.starts) = ops._distinct(index, max(rows, 1))
         self.positions = torch.arange(self.n, device=index.device)
         self.valid = self.positions < self.count
+        self._key: Optional[Tensor] = None
+
+    @property
+    def key(self) -> Tensor:
+        """The distinct ids with every place past ``count`` at the largest int64: ascending
+        throughout, for searches (made once a step, on first use)."""
+        if self._key is None:
+            self._key = torch.where(self.valid, self.ids, torch.iinfo(torch.int64).max)
+        return self._key
 
 
 def _among(ids: Tensor, of: "Distinct") -> Tensor:
     """Whether each of `ids` is one of the distinct ids of `of` (of at least one id): a binary
     search on the device, no wait."""
-    key = torch.where(of.valid, of.ids, torch.iinfo(torch.int64).max)  # ascending
-    at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
-    return key[at] == ids
+    at = torch.searchsorted(of.key, ids).clamp_(max=of.n - 1)
+    return of.key[at] == ids
 
 
 class Stat(IntEnum):
@@ -463,9 +471,9 @@ class CachedRows(HostRows):
         self.freq = torch.zeros(rows + 1, dtype=torch.float32, device=self.device)
         # Steps counted on the device: a captured step (CUDA graph) ages the frequencies too.
         self._age = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._last_hits: Optional[Tensor] = None  # see last_hits
         # Where the next step's victim candidates start (see victim_sample), on the device.
         self._hand = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._last_lookup: Optional[tuple] = None  # the last stage's slots, for last_hits
 
     @property
     def admission(self) -> str:
@@ -528,11 +536,14 @@ class CachedRows(HostRows):
         else:
             self._load(buf, d, miss & ~carried, sms=self._lane_sms)
         self._staged = Staged(d, buf, at, order, misses, victims, direct)
-        self._last_hits = (at < self.slots) & d.valid
+        self._last_lookup = (at, d.valid)  # see last_hits (made when asked for)
         return buf, d
 
     def last_hits(self) -> Optional[Tensor]:
-        return self._last_hits
+        if self._last_lookup is None:
+            return None
+        at, valid = self._last_lookup
+        return (at < self.slots) & valid
 
     def direct_target(self) -> tuple:
         staged = self._staged
