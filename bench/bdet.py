@@ -215,7 +215,7 @@ def host_available():
 def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     import speedtorch_ops as so
     cuda = device.type == "cuda"
-    need, free = a.tables * a.cap * 3 * a.dim * 4, host_available()
+    need, free = a.tables * a.cap * row_bytes(a), host_available()
     print(f"ours {mode}: {need / 2**30:.2f} GiB of {'pinned ' if cuda else ''}host memory "
           f"({free / 2**30:.1f} GiB available), GPU cache budget "
           f"{cache_bytes / 2**30:.2f} GiB", flush=True)
@@ -223,10 +223,13 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
         return {"skipped": "the tables do not fit in available host memory"}
     keys = [f"t{k}" for k in range(a.tables)]
     kwargs = {"lr": LR, "eps": EPS, "betas": BETAS, **({"capturable": True} if cuda else {})}
+    dtype = getattr(torch, a.dtype)
     ebc = so.HostEmbeddingCollection(
         [so.TableConfig(name=k, num_embeddings=a.cap, embedding_dim=a.dim, pooling="none")
          for k in keys], optimizer=torch.optim.Adam, optimizer_kwargs=kwargs, device=device,
-        cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked")
+        cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype)
+    if dtype != grad.dtype:  # the outputs' gradient in their dtype, the same values
+        grad, fixed_grad = torch.empty_like(grad, dtype=dtype), fixed_grad.to(dtype)
     grads = list(grad.split(a.ids_per_table))
     lengths = torch.ones(len(keys) * a.ids_per_table, dtype=torch.int64, device=device)
     offsets = torch.arange(len(lengths) + 1, device=device)  # one id a sample, as theirs
@@ -256,6 +259,11 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     return {**result, "hit_rate": hit}
 
 
+def row_bytes(a) -> int:
+    """Our row with Adam's two moments in --dtype."""
+    return 3 * a.dim * getattr(torch, a.dtype).itemsize
+
+
 def cache_plan(a, ids):
     """Each table's distinct ids over the batches, the mean distinct ids a step (all tables:
     their Avg N_unique), and per cfr our cache rows a table and budget."""
@@ -269,7 +277,7 @@ def cache_plan(a, ids):
         for cfr in a.cfr:
             rows = [a.cap] * a.tables if cfr == "all" else [int(float(cfr) * d) for d in distinct]
             plans[cfr] = {"cache_rows_per_table": rows, "cache_bytes": sum(
-                r * 3 * a.dim * 4 + CachedRows.index_bytes(a.cap) for r in rows)}
+                r * row_bytes(a) + CachedRows.index_bytes(a.cap) for r in rows)}
     return distinct, step_distinct, plans
 
 
@@ -296,7 +304,7 @@ def plot(path, runs, a):
         ax.text(x, b[1], f"{b[1]:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
     ax.set_ylabel("ms / step (mean)")
-    ax.set_title(f"{a.tables} tables x {a.cap:,} x {a.dim} fp32 + Adam, "
+    ax.set_title(f"{a.tables} tables x {a.cap:,} x {a.dim} + Adam (ours {a.dtype}), "
                  f"{a.tables * a.ids_per_table:,} power-law ids a step\n{a.device_name}",
                  fontsize=9)
     fig.tight_layout()
@@ -314,6 +322,9 @@ def main():
     p.add_argument("--tables", type=int, default=10)
     p.add_argument("--ids-per-table", type=int, default=104857)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="our tables' and their state's dtype (16-bit: stochastic rounding); the "
+                        "baseline keeps float32")
     p.add_argument("--systems", type=listed, default=["ours", "baseline"])
     p.add_argument("--mode", type=listed, default=["eager", "captured"], help="ours' modes")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from speedtorch_ops.demo.model import SkipGram, skipgram_loss
-from speedtorch_ops.demo.train import OPTIMIZERS, ModuleTraining, train_all_on_gpu
+from speedtorch_ops.demo.train import DTYPES, OPTIMIZERS, ModuleTraining, train_all_on_gpu
 
 from _workloads import add_skipgram_shape, lazy_adam_, skipgram_corpus
 
@@ -316,6 +316,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_skipgram_shape(p)
     p.add_argument("--optimizer", default="adam")
+    p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
+                   help="the tables' and their state's dtypes, one set of runs each (16-bit: "
+                        "stochastic rounding); the baselines keep float32")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--unfused", action="store_true",
                    help="Adam without fused=True (the demo fuses it on a GPU)")
@@ -366,18 +369,21 @@ def main() -> None:
     corpus = skipgram_corpus(a)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
     a.cache_mb, a.graph, a.fused = 0, "on", not a.unfused
-    run = ModuleTraining(a, device)
     rows = []
-    for b in a.budgets:
-        for mode, overlap, sms, admission, write_sms in settings(a, b):
-            rows.append(run_budget(a, run, batches, device, b, mode, overlap, sms, admission,
-                                   write_sms))
-            print(rows[-1], flush=True)
-    if a.profile is not None:
-        profile_steps(a, run, batches, device)
-    # The baselines' GPU memory is their own: the runs' caches and pinned tables go first.
-    del run
-    gc.collect()
+    for dtype in a.dtypes:  # one set of tables a dtype, trained on the same batches
+        a.dtype = dtype
+        run = ModuleTraining(a, device)
+        for b in a.budgets:
+            for mode, overlap, sms, admission, write_sms in settings(a, b):
+                rows.append({**run_budget(a, run, batches, device, b, mode, overlap, sms,
+                                          admission, write_sms),
+                             "dtype": dtype, "row_bytes": run.u.row_bytes})
+                print(rows[-1], flush=True)
+        if a.profile is not None and dtype == a.dtypes[0]:
+            profile_steps(a, run, batches, device)
+        # The next tables' and the baselines' memory is their own: these go first.
+        del run
+        gc.collect()
     base = base_peak = float("nan")
     if not a.no_baseline:
         base_args = argparse.Namespace(**{**vars(a), "steps": a.warmup + a.steps,
@@ -405,10 +411,10 @@ def main() -> None:
           f"memcpy {gbps:.1f} GB/s; whole tables on the GPU: SparseAdam {base:.1f} steps/s "
           f"({base_peak:,.0f} MiB), the captured all-on-GPU step {captured['steps_per_s']:.1f} "
           f"steps/s ({captured['gpu_peak_mb']:,.0f} MiB)")
-    print(f"{'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
+    print(f"{'dtype':>8} {'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
           f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
+        print(f"{r['dtype']:>8} {r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
@@ -423,21 +429,21 @@ def main() -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in a.modes:
-        for overlap in a.overlap:
-            for admission in dict.fromkeys(a.admission):
-                mine = [r for r in rows if r["mode"] == mode and (
-                    r["budget_mb"] == 0 or
-                    r["overlap"] == (overlap == "on") and r["admission"] == admission)]
-                ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
-                        label=f"HostEmbedding + GPU row cache ({mode}, overlap {overlap}, "
-                              f"admission {admission})")
+    for mode, overlap, admission, dtype in itertools.product(
+            a.modes, a.overlap, dict.fromkeys(a.admission), a.dtypes):
+        mine = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype and (
+            r["budget_mb"] == 0 or
+            r["overlap"] == (overlap == "on") and r["admission"] == admission)]
+        ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
+                label=f"HostEmbedding {dtype} + GPU row cache ({mode}, overlap {overlap}, "
+                      f"admission {admission})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.axhline(captured["steps_per_s"], color="black", ls=":",
                label="whole tables on the GPU (the captured step, fused Adam)")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")
-    ax.set_title(f"{a.corpus} skip-gram, {a.vocab:,} x {a.dim} x 2 + Adam, {result['gpu']}",
+    ax.set_title(f"{a.corpus} skip-gram, {a.vocab:,} x {a.dim} x 2 + {a.optimizer}, "
+                 f"{result['gpu']}",
                  fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

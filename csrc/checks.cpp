@@ -462,9 +462,10 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
                                 c10::ArrayRef<int64_t> state_parts,
                                 const c10::optional<at::Tensor>& cache,
-                                const c10::optional<at::Tensor>& at) {
-  TORCH_CHECK(rule >= 0 && rule <= 4, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
-              "3 (Adam) or 4 (AdamW), got ", rule);
+                                const c10::optional<at::Tensor>& at,
+                                const c10::optional<at::Tensor>& rounding) {
+  TORCH_CHECK(rule >= 0 && rule <= 5, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
+              "3 (Adam), 4 (AdamW) or 5 (PartialRowWiseAdam), got ", rule);
   TORCH_CHECK(buf.dim() == 3, "buf must be (parts, rows, width), got shape ", buf.sizes());
   check_rows_layout(buf, "buf");
   const auto dtype = check_step_float(buf, "buf");
@@ -476,9 +477,9 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
   TORCH_CHECK(grad.size(0) == buf.size(1), "grad must have buf's ", buf.size(1), " rows, got ",
               grad.size(0));
   const int64_t dim = grad.size(1), width = buf.size(2);
-  const bool rowwise = rule == 2;
+  const bool rowwise = rule == 2 || rule == 5;
   TORCH_CHECK(rowwise ? dim < width : dim <= width, "grad's dim (", dim, ") must be at most buf's "
-              "width (", width, rowwise ? ") less one (the row-wise accumulator's column)" : ")");
+              "width (", width, rowwise ? ") less one (the row-wise value's column)" : ")");
   check_one_int64(count, "count", buf, "buf");
   TORCH_CHECK(hyper.size() == 5, "hyper must hold 5 values (lr, weight_decay, a, b, eps), got ",
               hyper.size());
@@ -495,20 +496,22 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
     }
   }
   // Each rule keeps its own per-element state: SGD a momentum buffer or none, Adagrad its sum,
-  // RowWiseAdagrad none (its accumulator is a column), Adam two moments (three with amsgrad).
+  // RowWiseAdagrad none (its accumulator is a column), Adam two moments (three with amsgrad),
+  // PartialRowWiseAdam its first moment (the second is a column).
   const int64_t parts_given = static_cast<int64_t>(state_parts.size());
   const bool amsgrad = (flags & 4) != 0, adam = rule == 3 || rule == 4;
-  const int64_t parts_needed = rule == 0 ? parts_given : rule == 1 ? 1 : rule == 2 ? 0
-                                         : (amsgrad ? 3 : 2);
+  const int64_t parts_needed = rule == 0 ? parts_given : rule == 1 || rule == 5 ? 1
+                                         : rule == 2 ? 0 : (amsgrad ? 3 : 2);
   TORCH_CHECK(parts_given == parts_needed && (rule != 0 || parts_given <= 1), "state_parts must "
               "name the rule's ", rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
               : rule == 2 ? "nothing (the accumulator is column dim of part 0)"
+              : rule == 5 ? "exp_avg (exp_avg_sq is column dim of part 0)"
               : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
               ", got ", parts_given, " parts");
   TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (4) is Adam's and AdamW's only");
   TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && parts_given == 1), "flags: nesterov (2) "
               "and first step (8) need SGD with a momentum buffer");
-  const bool counts_steps = rule == 1 || rule == 3 || rule == 4;
+  const bool counts_steps = rule == 1 || rule == 3 || rule == 4 || rule == 5;
   TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
               " (the step count after this step's increment)");
   if (step.has_value()) {
@@ -536,6 +539,14 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
     check_same_device(*at, "at", buf, "buf");
     check_no_overlap(c, "cache", buf, "buf");
     check_no_overlap(c, "cache", grad, "grad");
+  }
+  if (rounding.has_value()) {
+    const auto& r = *rounding;
+    TORCH_CHECK(r.dim() == 1 && r.numel() == 2 && r.scalar_type() == at::kLong &&
+                    r.is_contiguous(),
+                "rounding must be a contiguous int64 tensor of 2 values (seed, counter), got ",
+                r.scalar_type(), " of shape ", r.sizes());
+    check_same_device(r, "rounding", buf, "buf");
   }
   return rule;
 }

@@ -4,7 +4,7 @@ Layers, data flowing down: the SpeedTorch-compatible classes (``compat``) -> row
 step's plan (``training``) -> typed wrappers, fakes and autograd (``ops``) ->
 ``torch.ops.speedtorch_ops`` (the C++/CUDA kernels). ``memory`` holds the pinned-memory helpers,
 ``io`` streamed and atomic saves and loads of tables, ``modules`` HostEmbedding and
-HostEmbeddingBag, ``optim`` RowWiseAdagrad, ``capture`` a whole training step in a CUDA graph,
+HostEmbeddingBag, ``optim`` RowWiseAdagrad and PartialRowWiseAdam, ``capture`` a whole training step in a CUDA graph,
 ``distributed`` (imported on its own: ``import speedtorch_ops.distributed``) the modules split by
 rows across a torch.distributed group, ``demo`` the main job (``python -m speedtorch_ops.demo``).
 """
@@ -25,7 +25,7 @@ from .capture import CapturedStep
 from .collection import HostEmbeddingBagCollection, HostEmbeddingCollection, TableConfig
 from .jagged import KeyedJaggedTensor
 from . import optim
-from .optim import RowWiseAdagrad
+from .optim import PartialRowWiseAdam, RowWiseAdagrad
 from . import io
 from .io import load_npy
 from .memory import empty_pinned, fill_random_, initialize_, is_zero_copy_usable, pin_, unpin_
@@ -65,6 +65,7 @@ __all__ = [
     "TableConfig",
     "KeyedJaggedTensor",
     "optim",
+    "PartialRowWiseAdam",
     "RowWiseAdagrad",
     *compat.__all__,  # the SpeedTorch-compatible classes and colocate
 ]

@@ -128,6 +128,8 @@ class HostEmbeddingBagCollection(nn.Module):
         cache_bytes: the GPU row cache's budget for all tables (0: none).
         bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
         dtype: the tables' and their state's dtype.
+        stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
+            fused updates stochastically unless False).
 
     Returns (forward): ``{feature: (stride, D)}`` for pooled tables, ``(ids of the feature,
     D)`` for ``pooling="none"``, in the order of the tables' features.
@@ -145,7 +147,8 @@ class HostEmbeddingBagCollection(nn.Module):
 
     def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
-                 bounds_check: str = "raise", dtype=torch.float32):
+                 bounds_check: str = "raise", dtype=torch.float32,
+                 stochastic_rounding: Optional[bool] = None):
         super().__init__()
         tables = list(tables)
         if not tables or any(not isinstance(t, TableConfig) for t in tables):
@@ -175,7 +178,8 @@ class HostEmbeddingBagCollection(nn.Module):
             self._offset[k] = rows[g]
             rows[g] += t.num_embeddings
         groups = [_Group(rows[g], width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                         device=device, bounds_check="prechecked", dtype=dtype)
+                         device=device, bounds_check="prechecked", dtype=dtype,
+                         stochastic_rounding=stochastic_rounding)
                   for g, width in enumerate(widths)]
         self.groups = nn.ModuleList(groups)
         if cache_bytes and self.device.type != "cuda":

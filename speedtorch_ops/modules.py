@@ -275,8 +275,8 @@ class _HostRowsModule(nn.Module):
                  scale_grad_by_freq: bool = False, sparse: bool = False, *,
                  dtype=torch.float32, optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
-                 bounds_check: str = "raise", _weight: Optional[Tensor] = None,
-                 _freeze: bool = False):
+                 bounds_check: str = "raise", stochastic_rounding: Optional[bool] = None,
+                 _weight: Optional[Tensor] = None, _freeze: bool = False):
         super().__init__()
         check_bounds_mode(bounds_check)
         self.bounds_check = bounds_check
@@ -307,6 +307,10 @@ class _HostRowsModule(nn.Module):
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"weights must have shape ({num_embeddings}, {embedding_dim}), got "
                              f"{tuple(_weight.shape)}")
+        if stochastic_rounding is not None and not isinstance(stochastic_rounding, bool):
+            raise TypeError(f"stochastic_rounding must be a bool or None, got "
+                            f"{stochastic_rounding!r}")
+        self._rounding_setting = stochastic_rounding
         self._optimizer_cls = optimizer
         self._optimizer_kwargs = dict(optimizer_kwargs or {})
         self._cache_budget = cache_bytes
@@ -362,6 +366,12 @@ class _HostRowsModule(nn.Module):
         self.host = allocate((self.num_embeddings, self.layout.parts, self.layout.width), dtype,
                              placement)
         self._fill_state()
+        # Stochastic rounding of the fused update's 16-bit stores (on by default, as FBGEMM's):
+        # (seed, counter) on the device, the counter rising every step. The seed comes from
+        # torch's generator, so torch.manual_seed reproduces a run.
+        rounds = dtype in (torch.float16, torch.bfloat16) and self._rounding_setting is not False
+        self._rounding = (torch.tensor([int(torch.randint(0, 2**62, ())), 0], dtype=torch.int64,
+                                       device=device) if rounds else None)
         self.store = self._make_store(self._cache_budget)
         self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
                                     device=device)
@@ -589,7 +599,7 @@ class _HostRowsModule(nn.Module):
         cache, at = self.store.direct_target()
         if self.fused and grad is not None and not grad.is_sparse and self._fused.step(
                 self.optimizer, self._rows, staged.buf, staged.distinct.count, self.layout,
-                first_step=first, cache=cache, at=at):
+                first_step=first, cache=cache, at=at, rounding=self._rounding):
             if first:
                 started.fill_(1)
             return
@@ -621,6 +631,20 @@ class _HostRowsModule(nn.Module):
 
     # Set False to run torch's own optimizer step even where a fused rule exists.
     fused_update = True
+
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether a step's 16-bit weights and state are stored rounded stochastically (the
+        expected stored value is the float32 result): float16 and bfloat16 tables with a fused
+        update, unless built with ``stochastic_rounding=False``. torch's own step (the
+        optimizers without a fused rule) rounds to nearest."""
+        return self._rounding is not None and self.fused
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a row takes with its optimizer state, in the host table, each transfer and
+        each cache slot."""
+        return self.host[0].nbytes
 
     def _check_capturable(self) -> None:
         """A captured step replays GPU work only: state the optimizer keeps on the CPU (a step
@@ -770,8 +794,9 @@ class _HostRowsModule(nn.Module):
         moved = (out["host_loads"] - out["prefetched_loads"] + out["prefetched_rows"]
                  + out["evictions"] + out["direct_writebacks"])
         out.update(hit_rate=out["hits"] / out["lookups"] if out["lookups"] else 0.0,
-                   host_bytes=self.host[0].nbytes * moved,
-                   cache_bytes=self.store.cached_bytes())
+                   host_bytes=self.row_bytes * moved,
+                   cache_bytes=self.store.cached_bytes(),
+                   cache_rows=getattr(self.store, "slots", 0))
         return out
 
     def _scalar_view(self, key: str, value) -> Tensor:
@@ -940,6 +965,9 @@ class HostEmbedding(_HostRowsModule):
             GPU, else the CPU); the table stays in host memory (pinned with a GPU).
         cache_bytes: the GPU row cache's budget (0: none; ignored on the CPU).
         bounds_check: "raise" (GPU ids checked with one wait) or "prechecked".
+        stochastic_rounding: with a float16 or bfloat16 table, store the fused update's results
+            rounded stochastically (None, the default: on; False: round to nearest). Seeded
+            from torch's generator.
 
     Example::
 
@@ -989,8 +1017,8 @@ class HostEmbeddingBag(_HostRowsModule):
     Args:
         num_embeddings, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
             include_last_offset, padding_idx: as nn.EmbeddingBag's.
-        dtype, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check: as
-            HostEmbedding's.
+        dtype, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check,
+            stochastic_rounding: as HostEmbedding's.
 
     Returns (forward): ``(bags, dim)`` on ``device``.
 

@@ -236,18 +236,22 @@ def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
 
 def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[Tensor],
                       rule: int, hyper: Sequence[float], flags: int, state_parts: Sequence[int],
-                      cache: Optional[Tensor] = None, at: Optional[Tensor] = None) -> None:
+                      cache: Optional[Tensor] = None, at: Optional[Tensor] = None,
+                      rounding: Optional[Tensor] = None) -> None:
     """One optimizer step, in place, on the first ``count`` (one int64 on buf's device) staged
     rows of ``buf`` (parts, n, width) with their gradient ``grad`` (n, dim): torch's formula of
-    ``rule`` (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW) with ``hyper`` (lr,
-    weight_decay, a, b, eps) and ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first
-    step), the per-element state in the parts ``state_parts``; ``step`` the step count after
-    this step's increment (Adagrad, Adam, AdamW). Math in float32 (float64 for float64 rows).
-    With a row ``cache`` (parts, slots, width) and ``at`` (a slot per staged row): a row whose
-    ``at[r]`` is a slot is updated in the cache (weight and state read and written there; its
-    row in ``buf`` is not read)."""
+    ``rule`` (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW; 5 PartialRowWiseAdam, its
+    second moment at column dim of part 0) with ``hyper`` (lr, weight_decay, a, b, eps) and
+    ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step), the per-element state in
+    the parts ``state_parts``; ``step`` the step count after this step's increment (Adagrad,
+    Adam, AdamW, PartialRowWiseAdam). Math in float32 (float64 for float64 rows). With a row
+    ``cache`` (parts, slots, width) and ``at`` (a slot per staged row): a row whose ``at[r]``
+    is a slot is updated in the cache (weight and state read and written there; its row in
+    ``buf`` is not read). ``rounding`` (seed, counter; int64 on buf's device): float16 and
+    bfloat16 values are stored rounded stochastically, the draw a hash of (seed, counter, the
+    row's position, the element), the same bits on every device."""
     _ops._fused_row_update.default(buf, grad, count, step, rule, [float(v) for v in hyper],
-                                   flags, list(state_parts), cache, at)
+                                   flags, list(state_parts), cache, at, rounding)
 
 
 def set_transfer_sm_limit(sms: int) -> int:
@@ -442,7 +446,7 @@ def _age_frequencies_fake(freq, age, period: int) -> None:
 
 @torch.library.register_fake("speedtorch_ops::_fused_row_update")
 def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, state_parts, cache=None,
-                           at=None) -> None:
+                           at=None, rounding=None) -> None:
     torch._check(buf.dim() == 3 and grad.dim() == 2 and grad.shape[0] == buf.shape[1],
                  lambda: "grad must have buf's rows")
 

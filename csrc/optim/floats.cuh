@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../cuda/kernels.h"
+#include "rounding.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,6 +52,35 @@ template <class V, int VW, class T> __device__ __forceinline__ void store_pack(V
   Pack<V, VW> out;
   for (int e = 0; e < VW; ++e) store(&out.v[e], x[e]);
   *reinterpret_cast<Pack<V, VW>*>(p) = out;
+}
+
+// The 16-bit types' formats for stochastic rounding (rounding.h); other types have none.
+template <class V> struct NarrowOf { static constexpr bool kIs = false; };
+template <> struct NarrowOf<__half> {
+  static constexpr bool kIs = true;
+  static constexpr optim::Narrow kFormat = optim::kHalf;
+};
+template <> struct NarrowOf<__nv_bfloat16> {
+  static constexpr bool kIs = true;
+  static constexpr optim::Narrow kFormat = optim::kBFloat16;
+};
+
+// store_pack, with a 16-bit type's values rounded stochastically when `rounds`: element e
+// draws under `key` with element number first + e.
+template <class V, int VW, class T>
+__device__ __forceinline__ void store_pack_rounded(V* p, const T* x, bool rounds, uint64_t key,
+                                                   uint64_t first) {
+  if constexpr (NarrowOf<V>::kIs) {
+    if (rounds) {
+      T r[VW];
+      for (int e = 0; e < VW; ++e) {
+        r[e] = optim::round_stochastic(x[e], optim::draw(key, first + e), NarrowOf<V>::kFormat);
+      }
+      store_pack<V, VW>(p, r);
+      return;
+    }
+  }
+  store_pack<V, VW>(p, x);
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

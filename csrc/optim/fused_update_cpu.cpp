@@ -1,6 +1,7 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
 // the staged rows are independent, so they split over the threads.
 #include "hyper.h"
+#include "rounding.h"
 #include "rules.h"
 #include "speedtorch_ops/checks.h"
 
@@ -11,19 +12,38 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace speedtorch_ops {
 namespace {
+
+// A value stored in a row: 16-bit types round stochastically under the row's key when the
+// step asks for it (rounding.h), every other store rounds to nearest.
+template <class S> struct Stores {
+  bool rounds;
+  uint64_t key;
+  S operator()(float x, uint64_t element) const {
+    if constexpr (std::is_same_v<S, at::BFloat16> || std::is_same_v<S, at::Half>) {
+      if (rounds) {
+        const optim::Narrow f = std::is_same_v<S, at::BFloat16> ? optim::kBFloat16 : optim::kHalf;
+        return static_cast<S>(optim::round_stochastic(x, optim::draw(key, element), f));
+      }
+    }
+    return static_cast<S>(x);
+  }
+  S operator()(double x, uint64_t) const { return static_cast<S>(x); }
+};
 
 void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                           const c10::optional<at::Tensor>& step, int64_t rule_arg,
                           at::ArrayRef<double> hyper, int64_t flags,
                           at::ArrayRef<int64_t> state_parts,
                           const c10::optional<at::Tensor>& cache,
-                          const c10::optional<at::Tensor>& at) {
+                          const c10::optional<at::Tensor>& at,
+                          const c10::optional<at::Tensor>& rounding) {
   const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
-                                                       flags, state_parts, cache, at);
+                                                       flags, state_parts, cache, at, rounding);
   const optim::Rule rule = checked.rule;
   const optim::Hyper h = checked.hyper;
   const int64_t n = buf.size(1), width = buf.size(2), dim = grad.size(1);
@@ -45,6 +65,8 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
     const int64_t row_bytes = (1 + states) * dim * static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, rows, grain_for(rows, row_bytes, 256), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
+        const Stores<scalar_t> put{checked.rounds,
+                                   optim::row_key(checked.seed, checked.counter, r)};
         const scalar_t* g_row = g_base + r * dim;
         // Where the row lives: its cache slot, else its staged row (part 0; parts `stride` apart).
         scalar_t* home = base + r * width;
@@ -55,14 +77,15 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
         }
         const scalar_t* w_row = home;  // the weight too is read where the row lives
         T row_sum = 0;
-        if (rule == optim::Rule::kRowWiseAdagrad) {
+        if (optim::has_row_value(rule)) {
           T sq = 0;
           for (int64_t j = 0; j < dim; ++j) {
             const T g = optim::effective_grad<T>(g_row[j], w_row[j], h, rule);
             sq += g * g;
           }
-          row_sum = static_cast<T>(w_row[dim]) + sq / static_cast<T>(dim);
-          home[dim] = static_cast<scalar_t>(row_sum);
+          row_sum = optim::row_value<T>(rule, h, static_cast<T>(w_row[dim]),
+                                        sq / static_cast<T>(dim));
+          home[dim] = put(row_sum, optim::kRowElement);
         }
         for (int64_t j = 0; j < dim; ++j) {
           T w = w_row[j];
@@ -70,8 +93,10 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
           T s[3] = {0, 0, 0};
           for (int k = 0; k < states; ++k) s[k] = home[parts[k] * stride + j];
           optim::update<T>(rule, h, g, w, s, momentum, row_sum);
-          home[j] = static_cast<scalar_t>(w);
-          for (int k = 0; k < states; ++k) home[parts[k] * stride + j] = static_cast<scalar_t>(s[k]);
+          home[j] = put(w, optim::weight_element(j));
+          for (int k = 0; k < states; ++k) {
+            home[parts[k] * stride + j] = put(s[k], optim::state_element(k, j));
+          }
         }
       }
     });

@@ -20,9 +20,10 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
                            at::ArrayRef<double> hyper, int64_t flags,
                            at::ArrayRef<int64_t> state_parts,
                            const c10::optional<at::Tensor>& cache,
-                           const c10::optional<at::Tensor>& at) {
+                           const c10::optional<at::Tensor>& at,
+                           const c10::optional<at::Tensor>& rounding) {
   const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
-                                                       flags, state_parts, cache, at);
+                                                       flags, state_parts, cache, at, rounding);
   const optim::Rule rule = checked.rule;
   const optim::Hyper h = checked.hyper;
   const c10::cuda::CUDAGuard guard(buf.device());
@@ -41,6 +42,9 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
       cache.has_value() ? cache->mutable_data_ptr() : nullptr,
       cache.has_value() ? cache->stride(0) : 0, cache.has_value() ? cache->size(1) : 0,
       at.has_value() ? at->const_data_ptr<int64_t>() : nullptr, at.has_value() ? at->numel() : 0,
+      checked.rounds, checked.seed, checked.counter,
+      checked.rounds && !rounding->device().is_cpu() ? rounding->const_data_ptr<int64_t>()
+                                                     : nullptr,
       at::cuda::getCurrentCUDAStream(buf.device().index())));
 }
 

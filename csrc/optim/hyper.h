@@ -14,6 +14,9 @@ namespace speedtorch_ops::optim {
 struct Checked {
   Rule rule;
   Hyper hyper;
+  bool rounds = false;     // 16-bit stores round stochastically (a rounding tensor was given)
+  uint64_t seed = 0;       // read here when the rounding tensor lives on the host
+  uint64_t counter = 0;
 };
 
 // Every argument checked (check_fused_update_args: a refused call changes nothing), then the
@@ -25,8 +28,10 @@ inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
                               int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
                               c10::ArrayRef<int64_t> state_parts,
                               const c10::optional<at::Tensor>& cache,
-                              const c10::optional<at::Tensor>& at) {
-  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, state_parts, cache, at);
+                              const c10::optional<at::Tensor>& at,
+                              const c10::optional<at::Tensor>& rounding) {
+  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, state_parts, cache, at,
+                          rounding);
   Checked c{static_cast<Rule>(rule), Hyper{}};
   c.hyper.lr = hyper[0];
   c.hyper.weight_decay = hyper[1];
@@ -35,6 +40,13 @@ inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
   c.hyper.eps = hyper[4];
   c.hyper.flags = flags;
   if (step.has_value() && step->device().is_cpu()) derive(c.hyper, c.rule, step->item<double>());
+  const auto type = buf.scalar_type();
+  c.rounds = rounding.has_value() && (type == at::kHalf || type == at::kBFloat16);
+  if (c.rounds && rounding->device().is_cpu()) {
+    const int64_t* r = rounding->const_data_ptr<int64_t>();
+    c.seed = static_cast<uint64_t>(r[0]);
+    c.counter = static_cast<uint64_t>(r[1]);
+  }
   return c;
 }
 

@@ -3,7 +3,8 @@
 // for the host and, under nvcc, for the device. Each rule is torch's own formula for one
 // element (RowWiseAdagrad: one accumulator per row), written for a row's weight and state
 // held in a staged buffer (parts, rows, width): the weight in part 0, columns [0, dim); a
-// per-element state in a part of its own; the row-wise accumulator at part 0, column dim.
+// per-element state in a part of its own; a row-wise value (RowWiseAdagrad's accumulator,
+// PartialRowWiseAdam's second moment) at part 0, column dim.
 #pragma once
 
 #include <cmath>
@@ -24,7 +25,14 @@ enum class Rule : int64_t {
   kRowWiseAdagrad = 2,  // speedtorch_ops.RowWiseAdagrad
   kAdam = 3,            // torch.optim.Adam (amsgrad, weight_decay as L2)
   kAdamW = 4,           // torch.optim.AdamW (decoupled weight decay)
+  kPartialRowWiseAdam = 5,  // speedtorch_ops.PartialRowWiseAdam
 };
+
+// The rules that keep one value per row (at part 0, column dim) from the row's mean squared
+// gradient: RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment.
+SPEEDTORCH_HD bool has_row_value(Rule rule) {
+  return rule == Rule::kRowWiseAdagrad || rule == Rule::kPartialRowWiseAdam;
+}
 
 // The op's `flags` bits.
 enum Flag : int64_t {
@@ -46,7 +54,7 @@ struct Hyper {
 // The step-dependent constants, from the step count after this step's increment (as torch's
 // optimizers count it).
 SPEEDTORCH_HD void derive(Hyper& h, Rule rule, double step) {
-  if (rule == Rule::kAdam || rule == Rule::kAdamW) {
+  if (rule == Rule::kAdam || rule == Rule::kAdamW || rule == Rule::kPartialRowWiseAdam) {
     h.step_size = h.lr / (1.0 - pow(h.a, step));
     h.bc2_sqrt = sqrt(1.0 - pow(h.b, step));
   } else if (rule == Rule::kAdagrad) {
@@ -55,17 +63,30 @@ SPEEDTORCH_HD void derive(Hyper& h, Rule rule, double step) {
 }
 
 // The gradient as the rule sees it: negated to maximize, plus L2 weight decay (every rule but
-// AdamW's, whose decay is decoupled).
+// AdamW's and PartialRowWiseAdam's, whose decay is decoupled).
 template <class T>
 SPEEDTORCH_HD T effective_grad(T g, T w, const Hyper& h, Rule rule) {
   if (h.flags & kMaximize) g = -g;
-  if (h.weight_decay != 0 && rule != Rule::kAdamW) g += static_cast<T>(h.weight_decay) * w;
+  if (h.weight_decay != 0 && rule != Rule::kAdamW && rule != Rule::kPartialRowWiseAdam) {
+    g += static_cast<T>(h.weight_decay) * w;
+  }
   return g;
 }
 
+// A row's value after this step (has_row_value's rules), from its value before and the mean
+// of the squares of the row's effective gradient.
+template <class T>
+SPEEDTORCH_HD T row_value(Rule rule, const Hyper& h, T before, T mean_square) {
+  if (rule == Rule::kPartialRowWiseAdam) {
+    const T b2 = static_cast<T>(h.b);
+    return b2 * before + (T(1) - b2) * mean_square;
+  }
+  return before + mean_square;
+}
+
 // One element's update: w its weight, s[0..2] its per-element state (as many as the rule keeps),
-// g its gradient from effective_grad. RowWiseAdagrad passes its row's accumulator after this
-// step's increment as `row_sum`.
+// g its gradient from effective_grad. The rules with a row value pass it, after this step's
+// change (row_value), as `row_sum`.
 template <class T>
 SPEEDTORCH_HD void update(Rule rule, const Hyper& h, T g, T& w, T* s, bool momentum, T row_sum) {
   switch (rule) {
@@ -101,6 +122,15 @@ SPEEDTORCH_HD void update(Rule rule, const Hyper& h, T g, T& w, T* s, bool momen
       }
       const T denom = sqrt(second) / static_cast<T>(h.bc2_sqrt) + static_cast<T>(h.eps);
       w -= static_cast<T>(h.step_size) * s[0] / denom;
+      return;
+    }
+    case Rule::kPartialRowWiseAdam: {
+      // Adam with its second moment one value per row (FBGEMM's PARTIAL_ROWWISE_ADAM): the
+      // decay is decoupled, lr * weight_decay times the weight before the step.
+      const T decay = static_cast<T>(h.lr * h.weight_decay) * w;
+      s[0] += (T(1) - static_cast<T>(h.a)) * (g - s[0]);
+      const T denom = sqrt(row_sum) / static_cast<T>(h.bc2_sqrt) + static_cast<T>(h.eps);
+      w -= static_cast<T>(h.step_size) * s[0] / denom + decay;
       return;
     }
   }

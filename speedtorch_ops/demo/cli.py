@@ -12,7 +12,7 @@ import speedtorch_ops as so
 from . import __doc__ as DOC
 from .corpus import CORPORA
 from .model import neighbour_precision
-from .train import OPTIMIZERS, resolve_switching, train_all_on_gpu, train_engine, warmup_steps
+from .train import DTYPES, OPTIMIZERS, resolve_switching, train_all_on_gpu, train_engine, warmup_steps
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,6 +26,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="the tables' and their optimizer state's dtype (module engine; 16-bit "
+                        "tables round their updates stochastically)")
+    p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
+                   help="how 16-bit tables store their updates")
     p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                    help="torch's fused optimizer kernels (fused=True): adam, adamw, sgd; "
                         "adagrad on the CPU only (torch has no fused rmsprop); auto: on for the "
@@ -81,23 +86,26 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be at least 1")
-    if a.fused == "on" and a.optimizer in ("rmsprop", "rowwise-adagrad"):
+    if a.fused == "on" and a.optimizer == "rmsprop":
         p.error(f"--fused: there is no fused {a.optimizer}")
     device = torch.device(a.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
 
+    module_only = a.optimizer in ("rowwise-adagrad", "partial-rowwise-adam")
     if a.engine == "auto":
-        a.engine = "module" if device.type == "cuda" or a.optimizer == "rowwise-adagrad" \
+        a.engine = "module" if device.type == "cuda" or module_only or a.dtype != "float32" \
             else "factories"
-    if a.engine == "factories" and a.optimizer == "rowwise-adagrad":
-        p.error("--optimizer rowwise-adagrad: the factories keep per-element state; use "
+    if a.engine == "factories" and a.dtype != "float32":
+        p.error("--dtype: the factories keep float32 tables; use --engine module")
+    if a.engine == "factories" and module_only:
+        p.error(f"--optimizer {a.optimizer}: the factories keep per-element state; use "
                 "--engine module")
     a.fused = a.fused == "on" or (a.fused == "auto" and a.engine == "module" and
                                   device.type == "cuda" and a.optimizer in ("adam", "adamw"))
     corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
-    table_mb = a.vocab * a.dim * 4 / 2**20
+    table_mb = a.vocab * a.dim * DTYPES[a.dtype].itemsize / 2**20
     if a.gpu_budget_mb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(a.gpu_budget_mb * 2**20 / total, device)

@@ -22,7 +22,11 @@ OPTIMIZERS = {  # name -> (lr, fused) -> (optimizer class, its keyword arguments
     "sgd": lambda lr, fused: (torch.optim.SGD, dict(lr=lr * 100, momentum=0.9, fused=fused)),
     # One accumulator per row: a third of Adam's bytes per row (module engine only).
     "rowwise-adagrad": lambda lr, fused: (so.RowWiseAdagrad, dict(lr=lr * 10)),
+    # Adam's first moment per element, its second per row (module engine only).
+    "partial-rowwise-adam": lambda lr, fused: (so.PartialRowWiseAdam, dict(lr=lr)),
 }
+# --dtype: the tables' and their state's dtype (module engine only).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def progress(iterable, total):
@@ -161,8 +165,11 @@ class ModuleTraining:
             # The step counter stays on the GPU; torch refuses to capture an optimizer without
             # it, fused or not.
             kwargs["capturable"] = True
+        dtype = DTYPES[getattr(a, "dtype", "float32")]
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
-                                           device=device, cache_bytes=share,
+                                           device=device, cache_bytes=share, dtype=dtype,
+                                           stochastic_rounding=getattr(a, "rounding", None)
+                                           != "nearest",
                                            bounds_check="prechecked" if self.graphed else "raise")
                           for share in self.cache_split(cache))
         self._captured = None
@@ -206,7 +213,7 @@ class ModuleTraining:
             if ahead:  # loads while this step's backward and updates run
                 self.u.prefetch(following[0])
                 self.v.prefetch(following[1], following[2])
-        loss = skipgram_loss(u, vc, vn)
+        loss = skipgram_loss(u.float(), vc.float(), vn.float())  # 16-bit rows: float32 math
         loss.backward()
         self.u.step()
         self.v.step()

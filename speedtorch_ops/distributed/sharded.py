@@ -128,7 +128,8 @@ class _ShardedRows(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=torch.float32,
                  optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
                  group=None, device=None, cache_bytes: int = 0, grad_scale: float = 1.0,
-                 route_group=None, _local_weight: Optional[Tensor] = None):
+                 route_group=None, stochastic_rounding: Optional[bool] = None,
+                 _local_weight: Optional[Tensor] = None):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
@@ -159,7 +160,8 @@ class _ShardedRows(nn.Module):
         # nothing (the optimizer's step count stays global when a rank is asked for no row)
         # and a rank that owns no row (world > num_embeddings) still has a table.
         kwargs = dict(dtype=dtype, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                      device=device, cache_bytes=cache_bytes)
+                      device=device, cache_bytes=cache_bytes,
+                      stochastic_rounding=stochastic_rounding)
         if _local_weight is not None:
             pad = _local_weight.new_zeros((1, embedding_dim))
             self.shard = HostEmbedding.from_pretrained(torch.cat([_local_weight, pad]),
@@ -310,7 +312,8 @@ class ShardedHostEmbedding(_ShardedRows):
 
     Args:
         num_embeddings, embedding_dim, dtype, optimizer, optimizer_kwargs, device,
-            cache_bytes: as HostEmbedding's, for the whole table (each rank holds its rows).
+            cache_bytes, stochastic_rounding: as HostEmbedding's, for the whole table (each
+            rank holds its rows).
         group: the process group (default: the default group); every member builds the module.
         grad_scale: the factor of the summed gradients of a row (1: one process on the
             concatenated batches with the summed loss; 1 / world: DDP's average).

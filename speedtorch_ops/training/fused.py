@@ -1,5 +1,6 @@
 """Fused optimizer updates of a step's staged rows: one kernel (``ops._fused_row_update``)
-applies torch's formula of SGD, Adagrad, Adam, AdamW or ``RowWiseAdagrad`` to every staged row's
+applies torch's formula of SGD, Adagrad, Adam, AdamW, ``RowWiseAdagrad`` or ``PartialRowWiseAdam``
+to every staged row's
 weight and state in place, where torch's optimizer runs a dozen element-wise kernels over the
 whole staged buffer (and, on a GPU, over its positions past the distinct rows too).
 
@@ -17,11 +18,11 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..optim import RowWiseAdagrad
+from ..optim import PartialRowWiseAdam, RowWiseAdagrad
 from .optim_state import RowLayout
 
 # The op's rule numbers and flag bits (csrc/optim/rules.h).
-SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM, ADAMW = range(5)
+SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM, ADAMW, PARTIAL_ROWWISE_ADAM = range(6)
 MAXIMIZE, NESTEROV, AMSGRAD, FIRST_STEP = 1, 2, 4, 8
 
 
@@ -55,6 +56,8 @@ class FusedUpdate(NamedTuple):
             return FusedUpdate(ADAGRAD, ("sum",))
         if cls is RowWiseAdagrad:
             return FusedUpdate(ROWWISE_ADAGRAD, ())
+        if cls is PartialRowWiseAdam:
+            return FusedUpdate(PARTIAL_ROWWISE_ADAM, ("exp_avg",))
         if cls in (torch.optim.Adam, torch.optim.AdamW):
             betas = group.get("betas", (0.9, 0.999))
             if _number(betas[0]) is None or _number(betas[1]) is None:
@@ -86,14 +89,15 @@ class FusedUpdate(NamedTuple):
 
     def step(self, optimizer: torch.optim.Optimizer, param: Tensor, buf: Tensor, count: Tensor,
              layout: RowLayout, first_step: bool = False, cache: Optional[Tensor] = None,
-             at: Optional[Tensor] = None) -> bool:
+             at: Optional[Tensor] = None, rounding: Optional[Tensor] = None) -> bool:
         """One fused step of `optimizer` on the staged rows `buf` (parts, n, width) whose
         weight `param` is (its parameter, gradient set), the first `count` rows (one int64 on
         buf's device) only; the step count (Adam, Adagrad) rises by one as torch's would.
         `first_step`: SGD's momentum buffer takes the gradient (torch's first step). With a row
         `cache` and `at` (a slot per staged row), the rows cached there are updated there.
-        Returns False, changing nothing, when the group's hyper-parameters are not all host
-        numbers."""
+        `rounding` (seed, counter on buf's device): 16-bit values are stored rounded
+        stochastically, and the counter rises by one. Returns False, changing nothing, when
+        the group's hyper-parameters are not all host numbers."""
         group = optimizer.param_groups[0]
         hyper = self.hyper(group)
         if hyper is None:
@@ -107,15 +111,17 @@ class FusedUpdate(NamedTuple):
         parts = [layout.at[key][0] for key in self.state_keys]
         state = optimizer.state[param]
         step = None
-        if self.rule in (ADAGRAD, ADAM, ADAMW):
+        if self.rule in (ADAGRAD, ADAM, ADAMW, PARTIAL_ROWWISE_ADAM):
             step = state["step"]
             step += 1  # in place: a kept tensor (a captured step's replays count on)
         grad = param.grad
         try:
             ops._fused_row_update(buf, grad if grad.is_contiguous() else grad.contiguous(), count,
-                                  step, self.rule, hyper, flags, parts, cache, at)
+                                  step, self.rule, hyper, flags, parts, cache, at, rounding)
         except BaseException:
             if step is not None:
                 step -= 1  # refused before anything moved: the count stays as it was
             raise
+        if rounding is not None:
+            rounding[1:] += 1  # the next step draws anew (in place: a captured step's replays)
         return True

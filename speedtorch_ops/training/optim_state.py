@@ -82,6 +82,8 @@ def state_layout(optimizer: torch.optim.Optimizer, group: dict):
         return {"ax": 0.0}, {"step": 0.0, "eta": lr, "mu": 1.0}
     if name == "Rprop":
         return {"prev": 0.0, "step_size": lr}, {"step": 0.0}
+    if name == "PartialRowWiseAdam":
+        return {"exp_avg": 0.0, "exp_avg_sq": 0.0}, {"step": 0.0}
     if name == "RowWiseAdagrad":
         return {"sum": float(group.get("initial_accumulator_value", 0.0))}, {}
     if name == "SGD":
@@ -90,7 +92,7 @@ def state_layout(optimizer: torch.optim.Optimizer, group: dict):
         return {"momentum_buffer": 0.0}, {}
     raise ValueError(f"optimizer {name} is not supported; supported: Adam, AdamW, Adamax, "
                      "Adadelta, RMSprop, Adagrad, SparseAdam, ASGD, Rprop, SGD (and, in the "
-                     "modules, speedtorch_ops.optim.RowWiseAdagrad)")
+                     "modules, speedtorch_ops.RowWiseAdagrad and PartialRowWiseAdam)")
 
 
 def find_group(optimizer: torch.optim.Optimizer, param: Tensor):

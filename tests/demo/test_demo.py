@@ -18,6 +18,8 @@ CASES = [
     ["--engine", "module", "--prefetch", "on"],
     ["--engine", "module", "--optimizer", "rowwise-adagrad"],
     ["--engine", "module", "--corpus", "uniform"],
+    ["--engine", "module", "--dtype", "bfloat16"],
+    ["--engine", "module", "--optimizer", "partial-rowwise-adam", "--dtype", "bfloat16"],
 ]
 GPU_CASES = [
     ["--engine", "module", "--cache-mb", "1", "--graph", "off"],  # evicts every step, eager
@@ -25,6 +27,7 @@ GPU_CASES = [
     ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
     ["--engine", "factories", "--switching", "colocated"],
     ["--engine", "module", "--optimizer", "adagrad"],  # no capturable mode: eager steps
+    ["--engine", "module", "--cache-mb", "1", "--dtype", "float16", "--graph", "on"],
 ]
 
 

@@ -24,6 +24,8 @@ CASES = {
     "adam": (torch.optim.Adam, {"lr": 0.05, "weight_decay": 0.1}),
     "adamw-amsgrad": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True,
                                           "maximize": True}),
+    "partial-rowwise-adam": (so.PartialRowWiseAdam, {"lr": 0.05, "betas": (0.8, 0.99),
+                                                     "weight_decay": 0.1}),
 }
 
 
@@ -65,7 +67,7 @@ def test_fused_step_equals_torchs_step(device, name, dim, gen):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("name", ["adam", "rowwise", "sgd-momentum"])
+@pytest.mark.parametrize("name", ["adam", "rowwise", "sgd-momentum", "partial-rowwise-adam"])
 @pytest.mark.parametrize("dim", [7, 16])
 def test_fused_step_in_low_precision(device, dtype, name, dim, gen):
     """Math in float32 inside the kernel, values stored in `dtype`: after a few steps within a
@@ -84,10 +86,10 @@ def test_fused_step_in_low_precision(device, dtype, name, dim, gen):
     # carries their rounding, not its own): each row within tol of its largest value.
     scale = ref.weight.abs().amax(1, keepdim=True).clamp(min=1)
     err = (ours.weight.double().cpu() - ref.weight.cpu()).abs() / scale
-    if cls is not torch.optim.Adam:
+    if cls not in (torch.optim.Adam, so.PartialRowWiseAdam):
         assert err.max() <= tol, (name, dtype, seed, float(err.max()))
         return
-    # Adam's step is about lr times the sign of its moment: where a gradient (with its weight
+    # Adam's step (either form) is about lr times the sign of its moment: where a gradient (with its weight
     # decay) nearly cancels, a rounding flips that sign and the element ends up to 2 lr per step
     # away. A rare element may do so (seen: 1 in 350); every other one stays within tol.
     off = err > tol
@@ -144,6 +146,11 @@ def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
     hyper = (0.1, 0.0, 0.9, 0.999, 1e-8)
     bad = [
         (dict(rule=7), "rule"),
+        (dict(rule=fused.PARTIAL_ROWWISE_ADAM, parts=[1]), "width"),
+        (dict(rule=fused.PARTIAL_ROWWISE_ADAM, parts=[1, 2], grad=grad[:, :3].contiguous()),
+         "state_parts must name the rule's exp_avg"),
+        (dict(rounding=torch.tensor([1, 2], dtype=torch.int32, device=device)), "rounding"),
+        (dict(rounding=torch.tensor([1, 2, 3], device=device)), "rounding"),
         (dict(grad=grad.float()), "grad must have buf's dtype"),
         (dict(grad=grad[:5]), "grad must have buf's"),
         (dict(count=torch.tensor([6, 6], device=device)), "count"),
@@ -162,17 +169,18 @@ def test_bad_arguments_name_themselves_and_write_nothing(device, gen):
     ]
     for change, message in bad:
         args = dict(buf=buf, grad=grad, count=count, step=step, rule=fused.ADAM, hyper=hyper,
-                    flags=0, parts=[1, 2])
+                    flags=0, parts=[1, 2], rounding=None)
         args.update(change)
         with pytest.raises(RuntimeError, match=message):
             ops._fused_row_update(args["buf"], args["grad"], args["count"], args["step"],
-                                  args["rule"], args["hyper"], args["flags"], args["parts"])
+                                  args["rule"], args["hyper"], args["flags"], args["parts"],
+                                  rounding=args["rounding"])
         assert torch.equal(buf, before), change
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rule,parts", [(fused.ADAM, [1, 2]), (fused.ROWWISE_ADAGRAD, []),
-                                        (fused.SGD, [1])])
+                                        (fused.SGD, [1]), (fused.PARTIAL_ROWWISE_ADAM, [1])])
 def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
     """With a cache and a slot per staged row, a cached row's weight and state are read from
     its slot and written there (its staged row, NaN here, is not read); a row without a slot is
@@ -181,7 +189,7 @@ def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
     nparts = 3
     whole = torch.randn(nparts, n, width, generator=gen, dtype=torch.float64)
     whole[2].abs_()
-    whole[0, :, 4].abs_()  # RowWiseAdagrad's accumulator
+    whole[0, :, 4].abs_()  # the row-wise value (accumulator, second moment)
     grad = torch.randn(n, 4, generator=gen, dtype=torch.float64)
     at = torch.tensor([3, slots, 0, 5, slots, slots, 1, 2])  # slots, or past the cache: staged
     cache = torch.randn(nparts, slots, width, generator=gen, dtype=torch.float64)
@@ -210,7 +218,7 @@ def test_rows_in_a_cache_are_updated_there(device, rule, parts, gen):
         assert torch.allclose(got[0, :4], whole[0, r, :4], rtol=1e-12, atol=1e-14), r
         for p in parts:
             assert torch.allclose(got[p, :4], whole[p, r, :4], rtol=1e-12, atol=1e-14), (r, p)
-        if rule == fused.ROWWISE_ADAGRAD:
+        if rule in (fused.ROWWISE_ADAGRAD, fused.PARTIAL_ROWWISE_ADAM):
             assert torch.allclose(got[0, 4], whole[0, r, 4], rtol=1e-12), r
     for s in set(range(slots)) - touched:  # row 7 is past the count; others untouched
         assert torch.equal(cache_d[:, s], cache_before[:, s]), s

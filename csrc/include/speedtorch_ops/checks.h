@@ -175,18 +175,20 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
 
 // _fused_row_update: buf (parts, n, width) floating (float32, float64, float16, bfloat16), each
 // part contiguous; grad (n, dim) contiguous, buf's dtype and device, dim <= width (< width with
-// the row-wise rule, whose accumulator sits at column dim); count one int64 on buf's device;
-// rule a Rule; hyper 5 values; flags the Flag bits; state_parts at most 3 distinct parts in
+// the row-wise rules, whose value sits at column dim); count one int64 on buf's device; rule a
+// Rule; hyper 5 values; flags the Flag bits; state_parts at most 3 distinct parts in
 // [1, parts); step a float32/float64 scalar on the CPU or buf's device, required by the rules
-// that count steps (Adagrad, Adam, AdamW); cache and at together or neither: cache buf's
-// dtype, device, parts and width, each part contiguous, at 1-D int64 on buf's device, neither
-// overlapping buf. Returns the rule.
+// that count steps (Adagrad, Adam, AdamW, PartialRowWiseAdam); cache and at together or
+// neither: cache buf's dtype, device, parts and width, each part contiguous, at 1-D int64 on
+// buf's device, neither overlapping buf; rounding 2 contiguous int64 on buf's device. Returns
+// the rule.
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
                                 c10::ArrayRef<int64_t> state_parts,
                                 const c10::optional<at::Tensor>& cache = c10::nullopt,
-                                const c10::optional<at::Tensor>& at = c10::nullopt);
+                                const c10::optional<at::Tensor>& at = c10::nullopt,
+                                const c10::optional<at::Tensor>& rounding = c10::nullopt);
 
 // _segment_sum: grads at least one (n_k, dim) tensor, each contiguous, of one floating dtype
 // (float32, float64, float16, bfloat16), one dim and one device; perm 1-D int64 of sum(n_k)

@@ -1,0 +1,99 @@
+// Stochastic rounding of the fused update's 16-bit stores, shared by the CPU and CUDA kernels
+// (torch-free and CUDA-free: plain C++ that compiles for the host and, under nvcc, for the
+// device, so both give the same bits for the same key).
+//
+// A float x between two neighbours lo < x < hi of a 16-bit format is stored as hi with
+// probability (x - lo) / (hi - lo), else lo: the expected stored value is x, so many updates
+// smaller than half a step of the format still move a weight on average (round-to-nearest
+// drops every one of them). The draw comes from a counter-based hash of (seed, counter, row,
+// element): no generator state, the same on every device, and a seed reproduces a run.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "rules.h"  // SPEEDTORCH_HD
+
+namespace speedtorch_ops::optim {
+
+// The 16-bit formats: the mantissa bits they keep and their smallest normal exponent.
+struct Narrow {
+  int kept;
+  int min_exp;
+};
+constexpr Narrow kBFloat16{7, -126};
+constexpr Narrow kHalf{10, -14};
+
+SPEEDTORCH_HD uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+#endif
+}
+
+SPEEDTORCH_HD float bits_float(uint32_t b) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(b);
+#else
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+#endif
+}
+
+// A 64-bit finalizer (splitmix64's): every input bit reaches every output bit.
+SPEEDTORCH_HD uint64_t mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ull;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A row's key in one step: `counter` rises every step, `row` is the row's staged position.
+SPEEDTORCH_HD uint64_t row_key(uint64_t seed, uint64_t counter, int64_t row) {
+  return mix64(mix64(seed + counter * 0x9e3779b97f4a7c15ull) ^
+               (static_cast<uint64_t>(row) * 0xd1b54a32d192ed03ull));
+}
+
+// The element numbers under a row's key: column j of the weight, of state part k (k < 3), and
+// the row-wise value.
+SPEEDTORCH_HD uint64_t weight_element(int64_t j) { return static_cast<uint64_t>(j); }
+SPEEDTORCH_HD uint64_t state_element(int k, int64_t j) {
+  return (static_cast<uint64_t>(k + 1) << 32) | static_cast<uint64_t>(j);
+}
+constexpr uint64_t kRowElement = 4ull << 32;
+
+// 32 uniform bits for one element.
+SPEEDTORCH_HD uint32_t draw(uint64_t key, uint64_t element) {
+  return static_cast<uint32_t>(mix64(key + element * 0x9e3779b97f4a7c15ull) >> 32);
+}
+
+// x rounded stochastically to `f` with the draw u: a float that `f` holds exactly (so the
+// conversion to f that follows is exact), or infinity past f's range; NaN and infinity stay.
+// Sign and magnitude are apart in a float's bits, so adding the draw to the bits below f's
+// last kept one rounds the magnitude up with probability equal to its remainder (a carry
+// moves into the exponent as it should), for either sign.
+SPEEDTORCH_HD float round_stochastic(float x, uint32_t u, Narrow f) {
+  uint32_t b = float_bits(x);
+  const uint32_t field = (b >> 23) & 0xffu;
+  if (field == 0xffu) return x;
+  const int e = field == 0 ? -126 : static_cast<int>(field) - 127;  // a float's subnormals
+  const int below = f.min_exp - e;  // f's subnormal range: its step stays 2^(min_exp - kept)
+  const int drop = 23 - f.kept + (below > 0 ? below : 0);
+  if (drop >= 24) {
+    // Below f's smallest step s (fp16 only): 0 or s, s with probability |x| / s.
+    const float s = bits_float(static_cast<uint32_t>(127 + f.min_exp - f.kept) << 23);
+    const float a = x < 0 ? -x : x;
+    const float up = static_cast<float>(u) * 2.3283064365386963e-10f < a / s ? s : 0.0f;
+    return x < 0 ? -up : up;
+  }
+  const uint32_t mask = (1u << drop) - 1u;
+  b += u & mask;
+  return bits_float(b & ~mask);
+}
+
+}  // namespace speedtorch_ops::optim

@@ -1,0 +1,166 @@
+"""Stochastic rounding of the fused update's float16 and bfloat16 stores: each result is one of
+its two neighbours in the format, the nearer's share matching the remainder (the mean over many
+draws is the float32 result, within a few standard errors: normal values, both signs, float16's
+subnormals and the values below its smallest step); many updates smaller than half a step track
+the float32 sum where round-to-nearest stalls; a (seed, counter) gives the same bits on every
+device and a new counter new draws; the modules turn it on for 16-bit tables unless told not
+to, and a seed reproduces a run. The "cuda" cases run on the GPU machine."""
+
+import math
+
+import pytest
+import torch
+
+import speedtorch_ops as so
+from speedtorch_ops import ops
+from speedtorch_ops.training import fused
+from conftest import HAS_CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+N = 20000
+
+
+def sgd_store(device, dtype, w, g, lr, rounding, dim=1):
+    """w - lr * g for N rows of `dim` equal elements through the fused SGD update, stored in
+    `dtype`; `rounding`: (seed, counter) or None (round to nearest)."""
+    buf = torch.full((1, N, dim), w, dtype=dtype, device=device)
+    grad = torch.full((N, dim), g, dtype=dtype, device=device)
+    count = torch.tensor([N], device=device)
+    r = None if rounding is None else torch.tensor(rounding, device=device)
+    ops._fused_row_update(buf, grad, count, None, fused.SGD, (lr, 0.0, 0.0, 0.0, 0.0), 0, [],
+                          rounding=r)
+    return buf.view(-1).double().cpu()
+
+
+# (dtype, w, g, lr, the neighbours below and above the exact result)
+CASES = {
+    "bf16": (torch.bfloat16, 1.0, -3 * 2.0**-10, 1.0, 1.0, 1.0 + 2.0**-7),
+    "bf16-negative": (torch.bfloat16, -1.0, 3 * 2.0**-10, 1.0, -1.0 - 2.0**-7, -1.0),
+    "fp16": (torch.float16, 1000.0, 1.0, 0.37, 999.5, 1000.0),
+    "fp16-subnormal": (torch.float16, 0.0, -2.0**-20, 0.3, 4 * 2.0**-24, 5 * 2.0**-24),
+    "fp16-negative-subnormal": (torch.float16, 0.0, 2.0**-20, 0.3, -5 * 2.0**-24,
+                                -4 * 2.0**-24),
+    "fp16-below-the-smallest-step": (torch.float16, 0.0, -2.0**-24, 0.3, 0.0, 2.0**-24),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dim", [1, 8])  # on a GPU: one element a lane, then 16 bytes
+def test_each_store_is_a_neighbour_drawn_without_bias(device, name, dim):
+    dtype, w, g, lr, lo, hi = CASES[name]
+    exact = w - lr * g
+    assert lo < exact < hi
+    got = sgd_store(device, dtype, w, g, lr, (12345, 7), dim)
+    assert bool(((got == lo) | (got == hi)).all()), name
+    p = (exact - lo) / (hi - lo)
+    se = (hi - lo) * math.sqrt(p * (1 - p) / got.numel())
+    assert abs(float(got.mean()) - exact) < 5 * se, (name, float(got.mean()), exact, se)
+    nearest = sgd_store(device, dtype, w, g, lr, None, dim)
+    assert bool((nearest == (lo if p < 0.5 else hi)).all()), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_key_gives_the_same_draws_and_a_new_counter_new_ones(device):
+    dtype, w, g, lr, _, _ = CASES["bf16"]
+    first = sgd_store(device, dtype, w, g, lr, (99, 3), dim=8)
+    assert torch.equal(first, sgd_store(device, dtype, w, g, lr, (99, 3), dim=8))
+    assert not torch.equal(first, sgd_store(device, dtype, w, g, lr, (99, 4), dim=8))
+    assert not torch.equal(first, sgd_store(device, dtype, w, g, lr, (100, 3), dim=8))
+    if device == "cuda":  # the draw is a hash, not a device's generator: the same bits
+        assert torch.equal(first, sgd_store("cpu", dtype, w, g, lr, (99, 3), dim=8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,update", [(torch.bfloat16, 2.0**-12), (torch.float16, 2.0**-14)])
+def test_small_updates_track_the_float32_sum(device, dtype, update):
+    """Each update is a sixteenth (bfloat16) or an eighth (float16) of the step below 1.0, less
+    than half of it: round-to-nearest never moves the weight, stochastic rounding follows the
+    sum on average."""
+    steps, rows = 200, 4096
+    results = {}
+    for rounds in (True, False):
+        buf = torch.ones((1, rows, 8), dtype=dtype, device=device)
+        grad = torch.full((rows, 8), update, dtype=dtype, device=device)
+        count = torch.tensor([rows], device=device)
+        rounding = torch.tensor([2024, 0], device=device) if rounds else None
+        for _ in range(steps):
+            ops._fused_row_update(buf, grad, count, None, fused.SGD, (1.0, 0, 0, 0, 0), 0, [],
+                                  rounding=rounding)
+            if rounding is not None:
+                rounding[1] += 1
+        results[rounds] = buf.double().cpu().view(-1)
+    exact = 1.0 - steps * update
+    assert torch.equal(results[False], torch.ones_like(results[False]))  # stalled
+    got = results[True]
+    se = float(got.std()) / math.sqrt(got.numel())
+    assert abs(float(got.mean()) - exact) < 5 * se, (float(got.mean()), exact, se)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_rounds_16_bit_tables_stochastically_unless_told_not_to(device):
+    def emb(dtype, **kwargs):
+        return so.HostEmbedding(8, 4, dtype=dtype, optimizer=torch.optim.SGD,
+                                optimizer_kwargs={"lr": 0.1}, device=device, **kwargs)
+    assert emb(torch.bfloat16).stochastic_rounding
+    assert emb(torch.float16).stochastic_rounding
+    assert not emb(torch.bfloat16, stochastic_rounding=False).stochastic_rounding
+    assert not emb(torch.float32).stochastic_rounding
+    assert not emb(torch.float32, stochastic_rounding=True).stochastic_rounding  # exact enough
+    off = emb(torch.bfloat16)
+    off.fused_update = False  # torch's own step rounds to nearest
+    assert not off.stochastic_rounding
+    with pytest.raises(TypeError, match="stochastic_rounding must be a bool or None"):
+        emb(torch.bfloat16, stochastic_rounding=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_small_updates_track_and_a_seed_reproduces_the_run(device):
+    """A bfloat16 table of ones under SGD with every element's update a sixteenth of the
+    format's step below 1.0: with stochastic rounding the mean follows the float32 sum, without
+    it nothing moves; torch.manual_seed reproduces the rounded run bit for bit."""
+    rows, dim, steps, lr = 512, 8, 100, 2.0**-12
+
+    def run(seed, rounding):
+        torch.manual_seed(seed)
+        emb = so.HostEmbedding.from_pretrained(
+            torch.ones(rows, dim, dtype=torch.bfloat16), freeze=False, optimizer=torch.optim.SGD,
+            optimizer_kwargs={"lr": lr}, device=device, stochastic_rounding=rounding)
+        ids = torch.arange(rows, device=device)
+        for _ in range(steps):
+            emb(ids).float().sum().backward()  # every element's gradient is 1
+            emb.step()
+        return emb.weight.double().cpu().view(-1)
+
+    got = run(0, None)
+    exact = 1.0 - steps * lr
+    se = float(got.std()) / math.sqrt(got.numel())
+    assert abs(float(got.mean()) - exact) < 5 * se, (float(got.mean()), exact, se)
+    assert torch.equal(got, run(0, None))
+    assert not torch.equal(got, run(1, None))
+    assert torch.equal(run(0, False), torch.ones(rows * dim, dtype=torch.float64))
+
+
+def test_row_bytes():
+    def emb(dtype, optimizer, dim=128):
+        return so.HostEmbedding(4, dim, dtype=dtype, optimizer=optimizer, device="cpu")
+    assert emb(torch.float32, torch.optim.Adam).row_bytes == 3 * 128 * 4
+    assert emb(torch.bfloat16, torch.optim.Adam).row_bytes == 3 * 128 * 2
+    # The second moment packed after the weight, the part padded to 16 bytes: 2 x 136 x 2.
+    assert emb(torch.bfloat16, so.PartialRowWiseAdam).row_bytes == 544
+    assert emb(torch.float32, so.RowWiseAdagrad).row_bytes == 132 * 4
+
+
+def test_cache_stats_report_the_rows_a_budget_holds():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
+    sizes = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        emb = so.HostEmbedding(100_000, 128, dtype=dtype, optimizer=torch.optim.Adam,
+                               device="cuda", cache_bytes=8 << 20)
+        stats = emb.cache_stats()
+        assert stats["cache_rows"] == emb.store.slots
+        assert stats["cache_bytes"] >= stats["cache_rows"] * emb.row_bytes
+        sizes[dtype] = stats["cache_rows"]
+    assert sizes[torch.bfloat16] > 1.9 * sizes[torch.float32]  # half the bytes a row
+    assert so.HostEmbedding(10, 4, device="cuda").cache_stats()["cache_rows"] == 0
