@@ -227,7 +227,8 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     ebc = so.HostEmbeddingCollection(
         [so.TableConfig(name=k, num_embeddings=a.cap, embedding_dim=a.dim, pooling="none")
          for k in keys], optimizer=torch.optim.Adam, optimizer_kwargs=kwargs, device=device,
-        cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype)
+        cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype,
+        stochastic_rounding=a.rounding == "stochastic")
     if dtype != grad.dtype:  # the outputs' gradient in their dtype, the same values
         grad, fixed_grad = torch.empty_like(grad, dtype=dtype), fixed_grad.to(dtype)
     grads = list(grad.split(a.ids_per_table))
@@ -325,6 +326,8 @@ def main():
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="our tables' and their state's dtype (16-bit: stochastic rounding); the "
                         "baseline keeps float32")
+    p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
+                   help="how 16-bit tables store their updates")
     p.add_argument("--systems", type=listed, default=["ours", "baseline"])
     p.add_argument("--mode", type=listed, default=["eager", "captured"], help="ours' modes")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code")

@@ -66,6 +66,8 @@ from .training.placement import allocate, resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
 
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Optimizer state that holds squared gradients (or their sums): float16 cannot keep it.
+_SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta")
 _STARTED = "momentum_started"  # the module's own optimizer state: SGD's first step has run
 
 
@@ -358,6 +360,12 @@ class _HostRowsModule(nn.Module):
         self._fills, scalars = optim_state.state_layout(self.optimizer, group)
         optim_state.init_state(self.optimizer, self._rows, group, self._fills, scalars)
         self.state_keys = list(self._fills)
+        squares = [k for k in self.state_keys if k in _SQUARED_STATE]
+        if dtype == torch.float16 and squares:
+            warnings.warn(f"dtype=torch.float16 with {type(self.optimizer).__name__}: its state "
+                          f"{squares} holds squared gradients, which fall below float16's range "
+                          "(about 6e-8) and then stall or blow up the update; bfloat16 keeps "
+                          "float32's range", stacklevel=3)
         per_row = optim_state.row_state_keys(self.optimizer)
         self.layout = optim_state.RowLayout(
             self.embedding_dim, [k for k in self.state_keys if k not in per_row],

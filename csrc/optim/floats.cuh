@@ -69,7 +69,7 @@ template <> struct NarrowOf<__nv_bfloat16> {
 // draws under `key` with element number first + e.
 template <class V, int VW, class T>
 __device__ __forceinline__ void store_pack_rounded(V* p, const T* x, bool rounds, uint64_t key,
-                                                   uint64_t first) {
+                                                   uint32_t first) {
   if constexpr (NarrowOf<V>::kIs) {
     if (rounds) {
       T r[VW];

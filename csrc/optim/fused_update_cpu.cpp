@@ -23,7 +23,7 @@ namespace {
 template <class S> struct Stores {
   bool rounds;
   uint64_t key;
-  S operator()(float x, uint64_t element) const {
+  S operator()(float x, uint32_t element) const {
     if constexpr (std::is_same_v<S, at::BFloat16> || std::is_same_v<S, at::Half>) {
       if (rounds) {
         const optim::Narrow f = std::is_same_v<S, at::BFloat16> ? optim::kBFloat16 : optim::kHalf;
@@ -32,7 +32,7 @@ template <class S> struct Stores {
     }
     return static_cast<S>(x);
   }
-  S operator()(double x, uint64_t) const { return static_cast<S>(x); }
+  S operator()(double x, uint32_t) const { return static_cast<S>(x); }
 };
 
 void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,

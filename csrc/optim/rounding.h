@@ -54,22 +54,35 @@ SPEEDTORCH_HD uint64_t mix64(uint64_t z) {
 }
 
 // A row's key in one step: `counter` rises every step, `row` is the row's staged position.
+// One 64-bit mix a row; the per-element draws below are 32-bit arithmetic, native on a GPU.
 SPEEDTORCH_HD uint64_t row_key(uint64_t seed, uint64_t counter, int64_t row) {
   return mix64(mix64(seed + counter * 0x9e3779b97f4a7c15ull) ^
                (static_cast<uint64_t>(row) * 0xd1b54a32d192ed03ull));
 }
 
-// The element numbers under a row's key: column j of the weight, of state part k (k < 3), and
-// the row-wise value.
-SPEEDTORCH_HD uint64_t weight_element(int64_t j) { return static_cast<uint64_t>(j); }
-SPEEDTORCH_HD uint64_t state_element(int k, int64_t j) {
-  return (static_cast<uint64_t>(k + 1) << 32) | static_cast<uint64_t>(j);
+// The element numbers under a row's key: column j (below 2^28) of the weight, of state part
+// k (k < 3), and the row-wise value.
+SPEEDTORCH_HD uint32_t weight_element(int64_t j) { return static_cast<uint32_t>(j); }
+SPEEDTORCH_HD uint32_t state_element(int k, int64_t j) {
+  return (static_cast<uint32_t>(k + 1) << 28) | static_cast<uint32_t>(j);
 }
-constexpr uint64_t kRowElement = 4ull << 32;
+constexpr uint32_t kRowElement = 4u << 28;
 
-// 32 uniform bits for one element.
-SPEEDTORCH_HD uint32_t draw(uint64_t key, uint64_t element) {
-  return static_cast<uint32_t>(mix64(key + element * 0x9e3779b97f4a7c15ull) >> 32);
+// A 32-bit finalizer (multiply-xorshift, "lowbias32" constants): each input bit flips about
+// half the output bits.
+SPEEDTORCH_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+// 32 uniform bits for one element of a row: the row's key folded to 32 bits, each element a
+// distinct input under it.
+SPEEDTORCH_HD uint32_t draw(uint64_t key, uint32_t element) {
+  const uint32_t k = static_cast<uint32_t>(key) ^ static_cast<uint32_t>(key >> 32);
+  return mix32(k ^ (element * 0x9e3779b9u));
 }
 
 // x rounded stochastically to `f` with the draw u: a float that `f` holds exactly (so the

@@ -27,7 +27,7 @@ GPU_CASES = [
     ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
     ["--engine", "factories", "--switching", "colocated"],
     ["--engine", "module", "--optimizer", "adagrad"],  # no capturable mode: eager steps
-    ["--engine", "module", "--cache-mb", "1", "--dtype", "float16", "--graph", "on"],
+    ["--engine", "module", "--cache-mb", "1", "--dtype", "bfloat16", "--graph", "on"],
 ]
 
 

@@ -141,6 +141,20 @@ def test_module_small_updates_track_and_a_seed_reproduces_the_run(device):
     assert torch.equal(run(0, False), torch.ones(rows * dim, dtype=torch.float64))
 
 
+def test_float16_tables_warn_where_the_state_holds_squares():
+    def emb(optimizer, dtype=torch.float16):
+        return so.HostEmbedding(4, 8, dtype=dtype, optimizer=optimizer, device="cpu")
+    for optimizer in (torch.optim.Adam, torch.optim.Adagrad, so.PartialRowWiseAdam,
+                      so.RowWiseAdagrad):
+        with pytest.warns(UserWarning, match="float16 with .*squared gradients.*bfloat16"):
+            emb(optimizer)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emb(torch.optim.SGD)  # momentum or none: no squares
+        emb(torch.optim.Adam, torch.bfloat16)
+
+
 def test_row_bytes():
     def emb(dtype, optimizer, dim=128):
         return so.HostEmbedding(4, dim, dtype=dtype, optimizer=optimizer, device="cpu")
