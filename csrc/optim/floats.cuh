@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace speedtorch_ops::cuda {
 
@@ -54,27 +55,34 @@ template <class V, int VW, class T> __device__ __forceinline__ void store_pack(V
   *reinterpret_cast<Pack<V, VW>*>(p) = out;
 }
 
-// The 16-bit types' formats for stochastic rounding (rounding.h); other types have none.
-template <class V> struct NarrowOf { static constexpr bool kIs = false; };
-template <> struct NarrowOf<__half> {
-  static constexpr bool kIs = true;
-  static constexpr optim::Narrow kFormat = optim::kHalf;
-};
-template <> struct NarrowOf<__nv_bfloat16> {
-  static constexpr bool kIs = true;
-  static constexpr optim::Narrow kFormat = optim::kBFloat16;
-};
-
-// store_pack, with a 16-bit type's values rounded stochastically when `rounds`: element e
-// draws under `key` with element number first + e.
+// store_pack, with a 16-bit type's values rounded stochastically (rounding.h) when `rounds`:
+// element e draws under `key` with element number first + e (first even: bfloat16's pairs of
+// elements share a draw).
 template <class V, int VW, class T>
 __device__ __forceinline__ void store_pack_rounded(V* p, const T* x, bool rounds, uint64_t key,
                                                    uint32_t first) {
-  if constexpr (NarrowOf<V>::kIs) {
+  if constexpr (std::is_same_v<V, __nv_bfloat16>) {
+    if (rounds) {
+      T r[VW];
+      if constexpr (VW % 2 == 0) {
+        for (int e = 0; e < VW; e += 2) {
+          const uint32_t u = optim::draw(key, (first + e) >> 1);
+          r[e] = optim::round_bf16(x[e], u & 0xffffu);
+          r[e + 1] = optim::round_bf16(x[e + 1], u >> 16);
+        }
+      } else {
+        for (int e = 0; e < VW; ++e) {
+          r[e] = optim::round_bf16(x[e], optim::draw_bf16(key, first + e));
+        }
+      }
+      store_pack<V, VW>(p, r);
+      return;
+    }
+  } else if constexpr (std::is_same_v<V, __half>) {
     if (rounds) {
       T r[VW];
       for (int e = 0; e < VW; ++e) {
-        r[e] = optim::round_stochastic(x[e], optim::draw(key, first + e), NarrowOf<V>::kFormat);
+        r[e] = optim::round_stochastic(x[e], optim::draw(key, first + e), optim::kHalf);
       }
       store_pack<V, VW>(p, r);
       return;

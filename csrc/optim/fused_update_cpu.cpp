@@ -24,10 +24,11 @@ template <class S> struct Stores {
   bool rounds;
   uint64_t key;
   S operator()(float x, uint32_t element) const {
-    if constexpr (std::is_same_v<S, at::BFloat16> || std::is_same_v<S, at::Half>) {
+    if constexpr (std::is_same_v<S, at::BFloat16>) {
+      if (rounds) return static_cast<S>(optim::round_bf16(x, optim::draw_bf16(key, element)));
+    } else if constexpr (std::is_same_v<S, at::Half>) {
       if (rounds) {
-        const optim::Narrow f = std::is_same_v<S, at::BFloat16> ? optim::kBFloat16 : optim::kHalf;
-        return static_cast<S>(optim::round_stochastic(x, optim::draw(key, element), f));
+        return static_cast<S>(optim::round_stochastic(x, optim::draw(key, element), optim::kHalf));
       }
     }
     return static_cast<S>(x);

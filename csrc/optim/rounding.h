@@ -16,12 +16,12 @@
 
 namespace speedtorch_ops::optim {
 
-// The 16-bit formats: the mantissa bits they keep and their smallest normal exponent.
+// A 16-bit format with float32's exponent range or a narrower one: the mantissa bits it keeps
+// and its smallest normal exponent (round_stochastic).
 struct Narrow {
   int kept;
   int min_exp;
 };
-constexpr Narrow kBFloat16{7, -126};
 constexpr Narrow kHalf{10, -14};
 
 SPEEDTORCH_HD uint32_t float_bits(float x) {
@@ -83,6 +83,22 @@ SPEEDTORCH_HD uint32_t mix32(uint32_t x) {
 SPEEDTORCH_HD uint32_t draw(uint64_t key, uint32_t element) {
   const uint32_t k = static_cast<uint32_t>(key) ^ static_cast<uint32_t>(key >> 32);
   return mix32(k ^ (element * 0x9e3779b9u));
+}
+
+// bfloat16 keeps float32's upper 16 bits: 16 bits of a draw decide it, so one draw serves
+// two elements (the pair element / 2, its low half for an even element, its high half for an
+// odd one).
+SPEEDTORCH_HD uint32_t draw_bf16(uint64_t key, uint32_t element) {
+  const uint32_t u = draw(key, element >> 1);
+  return (element & 1u) ? u >> 16 : u & 0xffffu;
+}
+
+// x rounded stochastically to bfloat16 with a 16-bit draw u16, as a float bfloat16 holds
+// exactly (round_stochastic with float32's range: the dropped bits are always the low 16).
+SPEEDTORCH_HD float round_bf16(float x, uint32_t u16) {
+  const uint32_t b = float_bits(x);
+  if ((b & 0x7f800000u) == 0x7f800000u) return x;  // NaN and infinity stay
+  return bits_float((b + u16) & 0xffff0000u);
 }
 
 // x rounded stochastically to `f` with the draw u: a float that `f` holds exactly (so the
