@@ -12,9 +12,10 @@
 Tables of one width are one table underneath (a ``HostEmbedding`` of their rows stacked, each
 table at its row offset), so a step plans all of them at once: one sort of their ids, one cache
 lookup, one transfer of their misses, one of their write-backs, one optimizer update (fused
-where ``HostEmbedding.fused`` says). Tables of different widths form one such group a width.
-Every table of a collection shares its dtype, optimizer and hyper-parameters; the cache budget
-is split between the groups by their bytes. Several features may share a table.
+where ``HostEmbedding.fused`` says). Tables of different widths or dtypes (``TableConfig.dtype``,
+default the collection's ``dtype``) form one such group each. Every table of a collection
+shares its optimizer and hyper-parameters; the cache budget is split between the groups by
+their bytes. Several features may share a table.
 
 ``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()`` (the
 bags and each feature's ids follow from them) and ``weights()`` (per-sample weights of
@@ -27,7 +28,8 @@ host; ids on the GPU with one wait unless ``bounds_check="prechecked"``): a bad 
 the feature and nothing is written.
 
 ``state_dict()`` holds each table as ``"<table>.weight"`` and ``"<table>.optimizer.<state>"``
-(the shapes a ``HostEmbedding`` of that table has; a step count is its group's); ``step()``,
+(the shapes and dtype a ``HostEmbedding`` of that table has; a step count, and a 16-bit
+group's rounding seed and counter, are its group's); ``step()``,
 ``flush()``, ``discard()``, ``prefetch(next_features)``, ``cache_stats()`` and
 ``speedtorch_ops.CapturedStep`` work as for ``HostEmbedding``.
 """
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import HostEmbedding, _eager, _lookup, _same_view
+from .modules import _FLOATING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup, _same_view
 from .training.cache import CachedRows
 from .training.placement import upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -61,16 +63,19 @@ class TableConfig:
         pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
             HostEmbeddingCollection never pools.
         feature_names: the batch's keys that look this table up (default: ``[name]``).
+        dtype: the table's and its optimizer state's dtype (default: the collection's).
 
     Example::
 
-        TableConfig("item", 1_000_000, 64, pooling="mean", feature_names=["item", "seen"])
+        TableConfig("item", 1_000_000, 64, pooling="mean", feature_names=["item", "seen"],
+                    dtype=torch.bfloat16)
     """
     name: str
     num_embeddings: int
     embedding_dim: int
     pooling: str = "sum"
     feature_names: Sequence[str] = field(default_factory=tuple)
+    dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -89,6 +94,9 @@ class TableConfig:
             raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
                              f"strings, got {self.feature_names!r}")
         object.__setattr__(self, "feature_names", names)
+        if self.dtype is not None and self.dtype not in _FLOATING:
+            raise TypeError(f"TableConfig {self.name!r}: dtype must be a floating dtype "
+                            f"(float16, bfloat16, float32, float64) or None, got {self.dtype!r}")
 
 
 class _Group(HostEmbedding):
@@ -127,7 +135,7 @@ class HostEmbeddingBagCollection(nn.Module):
         device: where a step's rows are staged (default: the current GPU, else the CPU).
         cache_bytes: the GPU row cache's budget for all tables (0: none).
         bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
-        dtype: the tables' and their state's dtype.
+        dtype: the tables' and their state's dtype, where their TableConfig names none.
         stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
             fused updates stochastically unless False).
 
@@ -168,9 +176,10 @@ class HostEmbeddingBagCollection(nn.Module):
         fnames = [f.name for f in self.features]
         if len(set(fnames)) != len(fnames):
             raise ValueError(f"tables: feature names must be distinct, got {fnames}")
-        # One group a width, tables in their given order at row offsets.
-        widths = sorted({t.embedding_dim for t in tables})
-        self._group_of = [widths.index(t.embedding_dim) for t in tables]
+        # One group a (width, dtype), tables in their given order at row offsets.
+        kinds = [(t.embedding_dim, t.dtype or dtype) for t in tables]
+        widths = sorted(set(kinds), key=lambda kind: (kind[0], str(kind[1])))
+        self._group_of = [widths.index(kind) for kind in kinds]
         self._offset = [0] * len(tables)
         rows = [0] * len(widths)
         for k, t in enumerate(tables):
@@ -178,9 +187,10 @@ class HostEmbeddingBagCollection(nn.Module):
             self._offset[k] = rows[g]
             rows[g] += t.num_embeddings
         groups = [_Group(rows[g], width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                         device=device, bounds_check="prechecked", dtype=dtype,
+                         device=device, bounds_check="prechecked", dtype=group_dtype,
                          stochastic_rounding=stochastic_rounding)
-                  for g, width in enumerate(widths)]
+                  for g, (width, group_dtype) in enumerate(widths)]
+        self._default_dtype = dtype
         self.groups = nn.ModuleList(groups)
         if cache_bytes and self.device.type != "cuda":
             warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
@@ -212,7 +222,8 @@ class HostEmbeddingBagCollection(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.groups[0].dtype
+        """The collection's dtype: that of the tables whose TableConfig names none."""
+        return self._default_dtype
 
     # ---- a step --------------------------------------------------------------------------
 
@@ -335,7 +346,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 psw = None
                 if weights is not None and mode == "sum":
                     psw = torch.cat([weights[at[f.name][1]:at[f.name][2]] for f, _ in mine])
-                    psw = psw.to(self.device, self.dtype)
+                    psw = psw.to(self.device, group.dtype)
                 pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
                                          per_sample_weights=psw, include_last_offset=True)
                 for (f, _), piece in zip(mine, pooled.split(stride)):
@@ -392,12 +403,15 @@ class HostEmbeddingBagCollection(nn.Module):
         return all(group.fused for group in self.groups)
 
     def cache_stats(self) -> dict:
-        """Per width group ("dim<D>") and in total ("total"): HostEmbedding.cache_stats's
-        counts (the tables of a group share one cache); per table (by name): distinct rows
-        looked up, cache hits and the hit rate, under "tables". Reading them waits for the
-        GPU."""
+        """Per group of tables ("dim<D>", or "dim<D>-<dtype>" where tables of one width have
+        several dtypes) and in total ("total"): HostEmbedding.cache_stats's counts (the tables
+        of a group share one cache); per table (by name): distinct rows looked up, cache hits
+        and the hit rate, under "tables". Reading them waits for the GPU."""
         per_table = self._table_stats.tolist()
-        out = {f"dim{g.embedding_dim}": g.cache_stats() for g in self.groups}
+        widths = [g.embedding_dim for g in self.groups]
+        out = {f"dim{g.embedding_dim}" + ("" if widths.count(g.embedding_dim) == 1 else
+                                          "-" + str(g.dtype).removeprefix("torch."))
+               : g.cache_stats() for g in self.groups}
         total = {}
         for stats in out.values():
             for key, value in stats.items():
@@ -442,6 +456,7 @@ class HostEmbeddingBagCollection(nn.Module):
         checkpoint keeps its rows: the group loads them back as they are); every key checked
         before any is loaded, so an error loads nothing."""
         known, loads, errors = set(), [], []
+        optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
         for g, group in enumerate(self.groups):
             whole: dict = {}
             group.save_rows(whole)  # the group's keys and their current tensors (flushed)
@@ -452,7 +467,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 names = [f"{prefix}{self.tables[k].name}.{key}" for k in mine]
                 known.update(names)
                 present = [n for n in names if n in state_dict]
-                optional = key == "optimizer.momentum_started"  # checkpoints before it lack it
+                optional = key in optional_keys  # checkpoints may lack it (OPTIONAL_STATE)
                 if not optional:
                     missing_keys.extend(n for n in names if n not in state_dict)
                 if not rows:  # a group's scalar (a step count): the first table's
@@ -481,7 +496,8 @@ class HostEmbeddingBagCollection(nn.Module):
                         torch.cat([p.to(current.device, current.dtype) for p in pieces])
             loads.append((group, gathered))
         for key in state_dict:
-            if key.startswith(prefix) and key not in known:
+            if key.startswith(prefix) and key not in known and not any(
+                    key.endswith("." + name) for name in optional_keys):
                 unexpected_keys.append(key)
         if errors:
             error_msgs.extend(errors)

@@ -69,6 +69,12 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Optimizer state that holds squared gradients (or their sums): float16 cannot keep it.
 _SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta")
 _STARTED = "momentum_started"  # the module's own optimizer state: SGD's first step has run
+# The module's own optimizer state of a 16-bit table's stochastic rounding: 0-dim views of its
+# (seed, counter), so checkpoints carry them and a resumed run draws as the unbroken one would.
+_ROUNDING = ("rounding_seed", "rounding_counter")
+# State a checkpoint may lack (one from before it, or from a table without stochastic rounding)
+# and a module may be given without holding it: neither missing nor unexpected.
+OPTIONAL_STATE = (_STARTED, *_ROUNDING)
 
 
 def _default_device() -> torch.device:
@@ -380,6 +386,9 @@ class _HostRowsModule(nn.Module):
         rounds = dtype in (torch.float16, torch.bfloat16) and self._rounding_setting is not False
         self._rounding = (torch.tensor([int(torch.randint(0, 2**62, ())), 0], dtype=torch.int64,
                                        device=device) if rounds else None)
+        if rounds:
+            state = self.optimizer.state[self._rows]
+            state.update(zip(_ROUNDING, self._rounding.unbind()))
         self.store = self._make_store(self._cache_budget)
         self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
                                     device=device)
@@ -718,7 +727,7 @@ class _HostRowsModule(nn.Module):
         for key, value in scalars.items():
             if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
                 state[key].copy_(value)
-            else:
+            elif key not in _ROUNDING:  # a table without stochastic rounding keeps none
                 state[key] = value
 
     # ---- inspection and checkpoints --------------------------------------------------------
@@ -848,15 +857,17 @@ class _HostRowsModule(nn.Module):
         tables = {"weight": self._table("weight")}
         tables.update({f"optimizer.{key}": self._table(key) for key in self.state_keys})
         scalars = [key for key in state if key not in self.state_keys]
-        # _STARTED is optional: checkpoints from before it lack it.
-        expected = list(tables) + [f"optimizer.{key}" for key in scalars if key != _STARTED
+        expected = list(tables) + [f"optimizer.{key}" for key in scalars
+                                   if key not in OPTIONAL_STATE
                                    or prefix + f"optimizer.{key}" in state_dict]
+        optional = {f"optimizer.{key}" for key in OPTIONAL_STATE}
         # Only this module's keys: missing_keys and error_msgs are the whole model's, and nn
         # passes strict=True here whatever the caller asked (it judges strict itself).
         present = [name for name in expected if prefix + name in state_dict]
         missing_keys.extend(prefix + name for name in expected if name not in present)
         for key in state_dict:  # the module has no children: every key under prefix is its own
-            if key.startswith(prefix) and key[len(prefix):] not in expected:
+            name = key[len(prefix):]
+            if key.startswith(prefix) and name not in expected and name not in optional:
                 unexpected_keys.append(key)
         errors = []
         for name in present:

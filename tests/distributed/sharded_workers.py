@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from speedtorch_ops import HostEmbedding, HostEmbeddingBag, RowWiseAdagrad
+from speedtorch_ops import HostEmbedding, HostEmbeddingBag, PartialRowWiseAdam, RowWiseAdagrad
 from speedtorch_ops.distributed import (ShardedEmbeddingCollection, ShardedHostEmbedding,
                                         ShardedHostEmbeddingBag, exchange, full_state_dict)
 
@@ -20,6 +20,8 @@ OPTIMIZERS = {
     "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
     # Its accumulator is packed beside the weight in a row (one part per row, not 1 + states).
     "RowWiseAdagrad": (RowWiseAdagrad, {"lr": 0.1, "initial_accumulator_value": 0.1}),
+    # Its second moment is packed beside the weight too, its first moment a part of its own.
+    "PartialRowWiseAdam": (PartialRowWiseAdam, {"lr": 0.05, "weight_decay": 0.1}),
 }
 F64 = torch.float64
 
@@ -82,6 +84,32 @@ def train_like_one_process(rank, world, device, seed, names, grad_scale=1.0, own
             reference_step(ref, batches, grad_scale)
             assert_same_state(emb, ref, f"{name} step {step} world {world} seed {seed}")
         assert torch.allclose(emb.gather_weight(), ref.weight, rtol=1e-10, atol=1e-12)
+
+
+def bfloat16_tracks_float64(rank, world, device, seed, steps=3):
+    """bfloat16 shards (stochastic rounding on, their default) against one process training
+    the same start in float64: each weight within a few bfloat16 roundings of its row's scale
+    a step; the gathered state keeps bfloat16 and each rank's rounding entries."""
+    init = initial_table(seed).to(torch.bfloat16)
+    cls, kwargs = OPTIMIZERS["SGD-momentum"]
+    emb = ShardedHostEmbedding.from_pretrained(init, optimizer=cls, optimizer_kwargs=kwargs,
+                                               device=device)
+    assert emb.shard.stochastic_rounding
+    ref = HostEmbedding.from_pretrained(init.double(), freeze=False, optimizer=cls,
+                                        optimizer_kwargs=kwargs, device="cpu")
+    for step in range(steps):
+        batches = [batch(seed, step, r, world) for r in range(world)]
+        ids, target = batches[rank]
+        loss_of(emb(ids.to(device)).double(), target.to(device)).backward()
+        emb.step()
+        reference_step(ref, batches)
+    got = emb.gather_state_dict()
+    assert got["weight"].dtype == got["optimizer.momentum_buffer"].dtype == torch.bfloat16
+    assert int(got["optimizer.rounding_counter"]) == steps
+    want = ref.weight
+    scale = want.abs().amax(1, keepdim=True).clamp(min=1)
+    err = float(((got["weight"].cpu().double() - want) / scale).abs().max())
+    assert err <= steps * 16 * 2.0**-8, (err, world, seed)
 
 
 def bag_like_one_process(rank, world, device, seed, directory):

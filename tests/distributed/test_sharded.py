@@ -30,6 +30,12 @@ def test_training_equals_one_process(backend, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_shards_track_float64(backend, seed):
+    for world in worlds(backend, [2, 3]):
+        run_ranks(w.bfloat16_tracks_float64, world, seed, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_scale_and_a_route_group(backend, seed):
     """grad_scale=1/world equals the reference on the loss scaled by 1/world; the ids on a
     gloo group of their own (what NCCL groups get) change nothing."""

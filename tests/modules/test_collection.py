@@ -352,3 +352,38 @@ def test_jagged_offsets_are_checked():
     with pytest.raises(ValueError, match="disagree"):
         so.KeyedJaggedTensor(["a", "b"], torch.arange(4), lengths=torch.tensor([1, 1, 1, 1]),
                              offsets=torch.tensor([0, 2, 2, 3, 4]))
+
+
+def test_tables_with_their_own_dtype(gen):
+    """TableConfig.dtype: tables of one width and dtype share a group, another dtype makes a
+    group of its own; each table's state_dict and outputs have its dtype; a float64 table beside
+    bfloat16 ones trains as in an all-float64 collection."""
+    mixed = [so.TableConfig("a", 30, 4, feature_names=["a1", "a2"]),
+             so.TableConfig("b", 20, 4, pooling="mean", dtype=torch.bfloat16),
+             so.TableConfig("c", 25, 6, pooling="none", dtype=torch.bfloat16)]
+    plain = [so.TableConfig(t.name, t.num_embeddings, t.embedding_dim, t.pooling,
+                            t.feature_names) for t in mixed]
+    kjts = [batch(mixed, gen) for _ in range(3)]
+    start = torch.randn(30, 4, generator=gen, dtype=torch.float64)
+    results = []
+    for cfgs in (mixed, plain):
+        ebc = so.HostEmbeddingBagCollection(cfgs, optimizer=torch.optim.Adam,
+                                            optimizer_kwargs={"lr": 0.05}, device="cpu",
+                                            dtype=torch.float64)
+        ebc.load_state_dict({"a.weight": start}, strict=False)
+        for kjt in kjts:
+            out = ebc(kjt)
+            sum(o.double().pow(2).sum() for o in out.values()).backward()
+            ebc.step()
+        results.append((ebc, out))
+    (ebc, out), (ref, _) = results
+    assert ebc.dtype == torch.float64 and len(ebc.groups) == 3 and len(ref.groups) == 2
+    assert out["a1"].dtype == torch.float64 and out["b"].dtype == out["c"].dtype == torch.bfloat16
+    sd, want = ebc.state_dict(), ref.state_dict()
+    assert sd["b.weight"].dtype == sd["b.optimizer.exp_avg"].dtype == torch.bfloat16
+    for key in ("a.weight", "a.optimizer.exp_avg", "a.optimizer.exp_avg_sq"):
+        assert sd[key].dtype == torch.float64
+        assert torch.allclose(sd[key], want[key], rtol=1e-12, atol=1e-14), key
+    assert set(ebc.cache_stats()) >= {"dim4-float64", "dim4-bfloat16", "dim6", "total"}
+    with pytest.raises(TypeError, match="TableConfig 't': dtype must be a floating dtype"):
+        so.TableConfig("t", 10, 4, dtype=torch.int32)

@@ -178,3 +178,122 @@ def test_cache_stats_report_the_rows_a_budget_holds():
         sizes[dtype] = stats["cache_rows"]
     assert sizes[torch.bfloat16] > 1.9 * sizes[torch.float32]  # half the bytes a row
     assert so.HostEmbedding(10, 4, device="cuda").cache_stats()["cache_rows"] == 0
+
+
+def _train(emb, batches, device):
+    for ids in batches:
+        emb(ids.to(device)).float().pow(2).sum().backward()
+        emb.step()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checkpoint_resumes_the_rounding_stream(device, tmp_path):
+    """A bfloat16 run saved after two steps and resumed in a fresh module (built under another
+    torch seed) ends bit for bit where the unbroken run ends: the checkpoint carries the
+    rounding's seed and counter with the 16-bit weight and state. A 16-bit checkpoint loads
+    strictly into a float32 table and back (the rounding's entries are optional)."""
+    gen = torch.Generator().manual_seed(5)
+    init = torch.randn(40, 8, generator=gen).to(torch.bfloat16)
+    batches = [torch.randint(0, 40, (30,), generator=gen) for _ in range(4)]
+    kw = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.01}, device=device)
+    torch.manual_seed(0)
+    whole = so.HostEmbedding.from_pretrained(init, freeze=False, **kw)
+    _train(whole, batches, device)
+    torch.manual_seed(0)
+    first = so.HostEmbedding.from_pretrained(init, freeze=False, **kw)
+    _train(first, batches[:2], device)
+    torch.save(first.state_dict(), tmp_path / "emb.pt")
+    torch.manual_seed(1)
+    resumed = so.HostEmbedding(40, 8, dtype=torch.bfloat16, **kw)
+    resumed.load_state_dict(torch.load(tmp_path / "emb.pt"))
+    _train(resumed, batches[2:], device)
+    sd = whole.state_dict()
+    assert sd["weight"].dtype == sd["optimizer.exp_avg"].dtype == torch.bfloat16
+    assert int(sd["optimizer.rounding_counter"]) == 4
+    for key, value in sd.items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    wide = so.HostEmbedding(40, 8, dtype=torch.float32, **kw)
+    wide.load_state_dict(sd)
+    assert torch.equal(wide.weight, whole.weight.float())
+    assert "optimizer.rounding_seed" not in wide.state_dict()
+    narrow = so.HostEmbedding(40, 8, dtype=torch.bfloat16, **kw)
+    narrow.load_state_dict(wide.state_dict())
+    assert torch.equal(narrow.weight, whole.weight)
+
+
+def test_a_collection_checkpoint_resumes_the_rounding_stream(tmp_path):
+    gen = torch.Generator().manual_seed(9)
+    tables = [so.TableConfig("a", 30, 8, pooling="sum"), so.TableConfig("b", 20, 8, pooling="mean")]
+    batches = []
+    for _ in range(4):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
+        ids = torch.cat([torch.randint(0, 30, (int(lengths[:5].sum()),), generator=gen),
+                         torch.randint(0, 20, (int(lengths[5:].sum()),), generator=gen)])
+        batches.append(so.KeyedJaggedTensor.from_lengths_sync(["a", "b"], ids, lengths))
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return so.HostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
+                                             optimizer_kwargs={"lr": 0.01}, device="cpu",
+                                             dtype=torch.bfloat16)
+
+    def train(ebc, kjts):
+        for kjt in kjts:
+            out = ebc(kjt)
+            (out["a"].float().pow(2).sum() + out["b"].float().pow(2).sum()).backward()
+            ebc.step()
+
+    whole = make(0)
+    start = {key: value.clone() for key, value in whole.state_dict().items()}  # not views
+    train(whole, batches)
+    first = make(1)
+    first.load_state_dict(start)
+    train(first, batches[:2])
+    torch.save(first.state_dict(), tmp_path / "ebc.pt")
+    resumed = make(2)
+    resumed.load_state_dict(torch.load(tmp_path / "ebc.pt"))
+    train(resumed, batches[2:])
+    sd = whole.state_dict()
+    assert {"a.optimizer.rounding_seed", "b.optimizer.rounding_counter"} <= set(sd)
+    for key, value in sd.items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+
+
+def test_cached_and_captured_steps_round_as_the_plain_step():
+    """On the GPU, a bfloat16 table's steps with a cache that evicts every step and its steps
+    captured in a CUDA graph draw the same bits as its plain eager steps (the draws follow the
+    row's place in the step, not where the row lives or how the step was launched)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
+    from speedtorch_ops.training.cache import CachedRows
+    rows, dim = 300, 16
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    batches = [torch.randint(0, rows, (64,), generator=gen).cuda() for _ in range(8)]
+
+    def make(cache_rows):
+        torch.manual_seed(0)
+        cache = CachedRows.index_bytes(rows) + cache_rows * 3 * dim * 2 if cache_rows else 0
+        return so.HostEmbedding.from_pretrained(
+            init, freeze=False, optimizer=torch.optim.Adam,
+            optimizer_kwargs={"lr": 0.01, "capturable": True}, device="cuda",
+            cache_bytes=cache, bounds_check="prechecked")
+
+    def step(emb, ids):
+        loss = emb(ids).float().pow(2).sum()
+        loss.backward()
+        emb.step()
+        return loss.detach()
+
+    plain, tiny, graphed = make(0), make(20), make(0)
+    for ids in batches:
+        step(plain, ids)
+        step(tiny, ids)
+    assert tiny.cache_stats()["evictions"] > 0
+    captured = so.CapturedStep(lambda ids: step(graphed, ids), rows=(rows,), warmup=2)
+    for ids in batches:
+        captured(ids)
+    want = plain.state_dict()
+    for other in (tiny, graphed):
+        for key, value in other.state_dict().items():
+            assert torch.equal(value.cpu(), want[key].cpu()), key
