@@ -457,6 +457,18 @@ void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
               rows.size(0), "), got ", at->numel());
 }
 
+namespace {
+
+// A stochastic rounding's (seed, counter) beside the tensor it rounds into.
+void check_rounding(const at::Tensor& r, const at::Tensor& beside, const char* name) {
+  TORCH_CHECK(r.dim() == 1 && r.numel() == 2 && r.scalar_type() == at::kLong && r.is_contiguous(),
+              "rounding must be a contiguous int64 tensor of 2 values (seed, counter), got ",
+              r.scalar_type(), " of shape ", r.sizes());
+  check_same_device(r, "rounding", beside, name);
+}
+
+}  // namespace
+
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
@@ -540,15 +552,21 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
     check_no_overlap(c, "cache", buf, "buf");
     check_no_overlap(c, "cache", grad, "grad");
   }
-  if (rounding.has_value()) {
-    const auto& r = *rounding;
-    TORCH_CHECK(r.dim() == 1 && r.numel() == 2 && r.scalar_type() == at::kLong &&
-                    r.is_contiguous(),
-                "rounding must be a contiguous int64 tensor of 2 values (seed, counter), got ",
-                r.scalar_type(), " of shape ", r.sizes());
-    check_same_device(r, "rounding", buf, "buf");
-  }
+  if (rounding.has_value()) check_rounding(*rounding, buf, "buf");
   return rule;
+}
+
+void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
+                           const at::Tensor& rounding) {
+  check_step_float(dst, "dst");
+  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
+  TORCH_CHECK(src.scalar_type() == at::kFloat && src.is_contiguous(),
+              "src must be a contiguous float32 tensor, got ", src.scalar_type());
+  TORCH_CHECK(src.sizes() == dst.sizes(), "src must have dst's shape ", dst.sizes(), ", got ",
+              src.sizes());
+  check_same_device(src, "src", dst, "dst");
+  check_no_overlap(dst, "dst", src, "src");
+  check_rounding(rounding, dst, "dst");
 }
 
 }  // namespace speedtorch_ops

@@ -132,6 +132,11 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   m.def("_fused_row_update(Tensor(a!) buf, Tensor grad, Tensor count, Tensor? step, int rule, "
         "float[] hyper, int flags, int[] state_parts, Tensor(b!)? cache=None, Tensor? at=None, "
         "Tensor? rounding=None) -> ()");
+  // dst = src (float32) stored in dst's dtype, rounded stochastically where dst is float16 or
+  // bfloat16 (as _fused_row_update rounds its stores; the draws of element i under the row
+  // i / 2^16 of rounding's (seed, counter)), exactly where dst is float32 or float64; the
+  // general path of a 16-bit table's optimizer step (torch's step in float32, stored back).
+  m.def("_round_into(Tensor(a!) dst, Tensor src, Tensor rounding) -> ()");
   // Page-lock an existing CPU tensor's storage in place (cudaHostRegister, mapped); unregistered
   // when the storage is freed. A helper for pinned stores, not for traced code.
   m.def("_pin_storage_(Tensor(a!) self) -> ()");

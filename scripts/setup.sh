@@ -1,8 +1,9 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: sets up a fresh machine (idempotent).
 # - Debian's cmake and catch2 for the C++ tests (installed with apt-get when missing)
 # - a virtual environment in .venv with the pinned Python packages (requirements-dev.txt)
-# - the extension built from source against that torch (CUDA kernels too when nvcc is found),
-#   again only when its sources or build settings changed, and then only what changed
+# - the extension built from source against that torch (CUDA kernels too when nvcc is found and
+#   a GPU is present, or SPEEDTORCH_OPS_WITH_CUDA=1), again only when its sources or build
+#   settings changed, and then only what changed
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -28,6 +29,14 @@ fi
 # started, or another torch, compiler or build setting), or when it does not load. A rebuild
 # recompiles only what changed: setup.py keeps the objects in build/ext-*, and ninja tracks
 # each source's headers and compile command.
+# Without a GPU the CUDA tests skip, and compiling their kernels would take most of a fresh
+# machine's set-up (minutes on two cores): the CPU kernels only, unless
+# SPEEDTORCH_OPS_WITH_CUDA=1 asks for the CUDA ones too (CI does, to compile them).
+if [ "${SPEEDTORCH_OPS_WITH_CUDA:-0}" = 0 ] && [ -z "${SPEEDTORCH_OPS_CPU_ONLY:-}" ] &&
+    ! nvidia-smi -L >/dev/null 2>&1; then
+  export SPEEDTORCH_OPS_CPU_ONLY=1
+fi
+
 STAMP=build/speedtorch_ops.stamp
 build_key() {  # what the build depends on outside the tree
   "$PY" - <<'EOF'

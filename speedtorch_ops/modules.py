@@ -627,17 +627,55 @@ class _HostRowsModule(nn.Module):
                                "forward); nothing was updated. Call discard() and run the step "
                                "again")
         self._settle_grad()  # torch's step reads every row of the gradient
-        if not first or grad is None:
+        if self._rounding is not None and grad is not None and not grad.is_sparse:
+            self._torch_step_in_float32(staged, first)
+        else:
+            self._torch_step(first and grad is not None)
+        if first and grad is not None:
+            started.fill_(1)
+
+    def _torch_step(self, first: bool, param: Optional[Tensor] = None) -> None:
+        """torch's optimizer step on the staged rows (or on `param`, the optimizer's parameter
+        for now); `first`: SGD's first step with momentum, which torch's step takes from the
+        gradient (the optimizer sees no buffer)."""
+        if not first:
             self.optimizer.step()
             return
-        # torch's first step sets the buffer to the gradient: the optimizer sees none.
+        state = self.optimizer.state[self._rows if param is None else param]
         view = state.pop("momentum_buffer")
         try:
             self.optimizer.step()
             view.copy_(state["momentum_buffer"])
         finally:
             state["momentum_buffer"] = view
-        started.fill_(1)
+
+    def _torch_step_in_float32(self, staged: "_Staged", first: bool) -> None:
+        """torch's step for a 16-bit table with stochastic rounding: on a float32 copy of the
+        staged rows (weight and state) and gradient, given to the optimizer as its parameter
+        for this step, the results stored back rounded stochastically (ops._round_into), as
+        the fused update stores its own."""
+        low = staged.buf
+        high = low.float()
+        param = self.layout.of_staged(high, "weight").requires_grad_()
+        param.grad = self._rows.grad.float()
+        group = self.optimizer.param_groups[0]
+        own = self.optimizer.state.pop(self._rows)
+        state = self.optimizer.state[param]
+        state.update((key, self.layout.of_staged(high, key) if key in self.state_keys else value)
+                     for key, value in own.items())
+        group["params"] = [param]
+        try:
+            self._torch_step(first, param)
+        finally:
+            group["params"] = [self._rows]
+            del self.optimizer.state[param]
+            # The scalars torch's step changed (a tensor in place, a number replaced) go back.
+            own.update((key, value) for key, value in state.items() if key not in self.state_keys)
+            self.optimizer.state[self._rows] = own
+        rounded = torch.empty_like(high, dtype=low.dtype)
+        ops._round_into(rounded, high, self._rounding)
+        self._rounding[1:] += 1
+        low.copy_(rounded)  # exact: the values are the format's own
 
     @property
     def fused(self) -> bool:
@@ -652,10 +690,11 @@ class _HostRowsModule(nn.Module):
     @property
     def stochastic_rounding(self) -> bool:
         """Whether a step's 16-bit weights and state are stored rounded stochastically (the
-        expected stored value is the float32 result): float16 and bfloat16 tables with a fused
-        update, unless built with ``stochastic_rounding=False``. torch's own step (the
-        optimizers without a fused rule) rounds to nearest."""
-        return self._rounding is not None and self.fused
+        expected stored value is the float32 result): float16 and bfloat16 tables, unless built
+        with ``stochastic_rounding=False``. The fused update computes in float32 and rounds its
+        stores; torch's own step (the optimizers without a fused rule) runs on a float32 copy
+        of the staged rows, stored back rounded the same way."""
+        return self._rounding is not None
 
     @property
     def row_bytes(self) -> int:

@@ -254,6 +254,14 @@ def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[T
                                    flags, list(state_parts), cache, at, rounding)
 
 
+def _round_into(dst: Tensor, src: Tensor, rounding: Tensor) -> None:
+    """``dst.copy_(src)`` for a float32 ``src`` of dst's shape (both contiguous, one device),
+    rounded stochastically where ``dst`` is float16 or bfloat16, as ``_fused_row_update``
+    rounds its stores (the draws of element i under block i // 2**16 of ``rounding``'s (seed,
+    counter), int64 on dst's device); exact for float32 and float64."""
+    _ops._round_into.default(dst, src, rounding)
+
+
 def set_transfer_sm_limit(sms: int) -> int:
     """Cap the SMs the CUDA transfer kernels use (one 1024-thread block per allowed SM), so
     transfers can overlap with training kernels; 0 (the default) removes the cap. Process-wide.
@@ -442,6 +450,11 @@ def _put_rows_fake(dst, src, index, count) -> None:
 @torch.library.register_fake("speedtorch_ops::_age_frequencies")
 def _age_frequencies_fake(freq, age, period: int) -> None:
     torch._check(period >= 1, lambda: f"period must be at least 1, got {period}")
+
+
+@torch.library.register_fake("speedtorch_ops::_round_into")
+def _round_into_fake(dst, src, rounding) -> None:
+    torch._check(src.shape == dst.shape, lambda: "src must have dst's shape")
 
 
 @torch.library.register_fake("speedtorch_ops::_fused_row_update")

@@ -1,7 +1,7 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
 // the staged rows are independent, so they split over the threads.
 #include "hyper.h"
-#include "rounding.h"
+#include "rounding_aten.h"
 #include "rules.h"
 #include "speedtorch_ops/checks.h"
 
@@ -24,14 +24,7 @@ template <class S> struct Stores {
   bool rounds;
   uint64_t key;
   S operator()(float x, uint32_t element) const {
-    if constexpr (std::is_same_v<S, at::BFloat16>) {
-      if (rounds) return static_cast<S>(optim::round_bf16(x, optim::draw_bf16(key, element)));
-    } else if constexpr (std::is_same_v<S, at::Half>) {
-      if (rounds) {
-        return static_cast<S>(optim::round_stochastic(x, optim::draw(key, element), optim::kHalf));
-      }
-    }
-    return static_cast<S>(x);
+    return optim::store_value<S>(x, rounds, key, element);
   }
   S operator()(double x, uint32_t) const { return static_cast<S>(x); }
 };

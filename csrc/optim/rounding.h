@@ -125,4 +125,19 @@ SPEEDTORCH_HD float round_stochastic(float x, uint32_t u, Narrow f) {
   return bits_float(b & ~mask);
 }
 
+// A 16-bit format's stochastic rounding of x under a row's key and an element's number (the
+// fused update's stores and _round_into's share it).
+enum class Format { kBFloat16, kHalf };
+SPEEDTORCH_HD float round_for(Format f, float x, uint64_t key, uint32_t element) {
+  return f == Format::kBFloat16 ? round_bf16(x, draw_bf16(key, element))
+                                : round_stochastic(x, draw(key, element), kHalf);
+}
+
+// _round_into's rows: a flat tensor's elements in blocks of 2^16, element i the (i % 2^16)-th
+// of block i / 2^16.
+constexpr int kFlatRowBits = 16;
+SPEEDTORCH_HD uint32_t flat_element(int64_t i) {
+  return static_cast<uint32_t>(i & ((int64_t{1} << kFlatRowBits) - 1));
+}
+
 }  // namespace speedtorch_ops::optim

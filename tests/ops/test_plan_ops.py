@@ -608,6 +608,15 @@ def test_opcheck(device):
     cases.append((torch.ops.speedtorch_ops._gather_staged.default,
                   (torch.rand(4, 5, device=dev)[:, :3], torch.tensor([3, 0, 3], device=dev),
                    torch.rand(2, 3, device=dev), torch.tensor([1, 5, -1, 0], device=dev))))
+    cases.append((torch.ops.speedtorch_ops._round_into.default,
+                  (torch.empty(3, 5, dtype=torch.bfloat16, device=dev),
+                   torch.rand(3, 5, device=dev), torch.tensor([4, 2], device=dev))))
+    rounding = torch.tensor([4, 2], device=dev)
+    cases.append((torch.ops.speedtorch_ops._fused_row_update.default,
+                  (torch.rand(2, 4, 8, dtype=torch.bfloat16, device=dev),
+                   torch.rand(4, 7, dtype=torch.bfloat16, device=dev), torch.tensor([3], device=dev),
+                   torch.tensor(1.0, device=dev), 5, [0.1, 0.0, 0.9, 0.99, 1e-8], 0, [1], None,
+                   None, rounding)))
     for op, args in cases:
         torch.library.opcheck(op, args)
 

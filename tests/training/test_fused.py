@@ -69,17 +69,20 @@ def test_fused_step_equals_torchs_step(device, name, dim, gen):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["adam", "rowwise", "sgd-momentum", "partial-rowwise-adam"])
 @pytest.mark.parametrize("dim", [7, 16])
-def test_fused_step_in_low_precision(device, dtype, name, dim, gen):
-    """Math in float32 inside the kernel, values stored in `dtype`: after a few steps within a
-    few roundings of `dtype` of torch's step in float64 from the same (rounded) start. torch's
-    own step in 16 bits is no reference: it computes in 16 bits (Adam's second moment
-    underflows)."""
+@pytest.mark.parametrize("fused_update", [True, False])
+def test_fused_step_in_low_precision(device, dtype, name, dim, fused_update, gen):
+    """Math in float32 inside the kernel (or, for torch's own step, on a float32 copy of the
+    16-bit rows), values stored in `dtype` (rounded stochastically: the modules' default):
+    after a few steps within a few roundings of `dtype` of torch's step in float64 from the
+    same (rounded) start. torch's step in 16 bits would be no reference: it computes in 16 bits
+    (Adam's second moment underflows)."""
     cls, kwargs = CASES[name]
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-    ours = run(cls, kwargs, device, dtype, True, torch.Generator().manual_seed(seed), dim=dim)
+    ours = run(cls, kwargs, device, dtype, fused_update, torch.Generator().manual_seed(seed),
+               dim=dim)
     ref = run(cls, kwargs, device, torch.float64, False, torch.Generator().manual_seed(seed),
               init_dtype=dtype, dim=dim)
-    assert ours.fused
+    assert ours.fused is fused_update
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     tol = 16 * ulp  # per step: the stored weight's rounding and the 16-bit gradient's
     # Roundings scale with the row's values (a weight that crossed zero after large updates

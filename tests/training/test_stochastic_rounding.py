@@ -107,18 +107,20 @@ def test_module_rounds_16_bit_tables_stochastically_unless_told_not_to(device):
     assert not emb(torch.bfloat16, stochastic_rounding=False).stochastic_rounding
     assert not emb(torch.float32).stochastic_rounding
     assert not emb(torch.float32, stochastic_rounding=True).stochastic_rounding  # exact enough
-    off = emb(torch.bfloat16)
-    off.fused_update = False  # torch's own step rounds to nearest
-    assert not off.stochastic_rounding
+    general = emb(torch.bfloat16)
+    general.fused_update = False  # torch's own step, on a float32 copy, rounds the same way
+    assert general.stochastic_rounding
     with pytest.raises(TypeError, match="stochastic_rounding must be a bool or None"):
         emb(torch.bfloat16, stochastic_rounding=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_module_small_updates_track_and_a_seed_reproduces_the_run(device):
+@pytest.mark.parametrize("fused_update", [True, False])
+def test_module_small_updates_track_and_a_seed_reproduces_the_run(device, fused_update):
     """A bfloat16 table of ones under SGD with every element's update a sixteenth of the
     format's step below 1.0: with stochastic rounding the mean follows the float32 sum, without
-    it nothing moves; torch.manual_seed reproduces the rounded run bit for bit."""
+    it nothing moves; torch.manual_seed reproduces the rounded run bit for bit. The fused update
+    and torch's own step (on a float32 copy, stored back by ops._round_into) alike."""
     rows, dim, steps, lr = 512, 8, 100, 2.0**-12
 
     def run(seed, rounding):
@@ -126,6 +128,7 @@ def test_module_small_updates_track_and_a_seed_reproduces_the_run(device):
         emb = so.HostEmbedding.from_pretrained(
             torch.ones(rows, dim, dtype=torch.bfloat16), freeze=False, optimizer=torch.optim.SGD,
             optimizer_kwargs={"lr": lr}, device=device, stochastic_rounding=rounding)
+        emb.fused_update = fused_update
         ids = torch.arange(rows, device=device)
         for _ in range(steps):
             emb(ids).float().sum().backward()  # every element's gradient is 1
@@ -178,6 +181,39 @@ def test_cache_stats_report_the_rows_a_budget_holds():
         sizes[dtype] = stats["cache_rows"]
     assert sizes[torch.bfloat16] > 1.9 * sizes[torch.float32]  # half the bytes a row
     assert so.HostEmbedding(10, 4, device="cuda").cache_stats()["cache_rows"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_into_rounds_as_the_fused_update(device, dtype):
+    """ops._round_into: each value one of its two neighbours, their mean the float32 value
+    (bfloat16, float16 subnormals), exact for float32; bad arguments name themselves."""
+    if dtype == torch.float32:
+        src = torch.randn(1000, device=device)
+        dst = torch.empty_like(src)
+        ops._round_into(dst, src, torch.tensor([1, 2], device=device))
+        assert torch.equal(dst, src)
+        return
+    case = "bf16" if dtype == torch.bfloat16 else "fp16-subnormal"
+    _, w, g, lr, lo, hi = CASES[case]
+    exact = w - lr * g
+    src = torch.full((3, N), exact, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src, dtype=dtype)
+    ops._round_into(dst, src, torch.tensor([77, 5], device=device))
+    got = dst.double().cpu().view(-1)
+    assert bool(((got == lo) | (got == hi)).all())
+    p = (float(torch.tensor(exact, dtype=torch.float32)) - lo) / (hi - lo)
+    se = (hi - lo) * math.sqrt(p * (1 - p) / got.numel())
+    assert abs(float(got.mean()) - float(torch.tensor(exact, dtype=torch.float32))) < 5 * se
+    again = torch.empty_like(dst)
+    ops._round_into(again, src, torch.tensor([77, 5], device=device))
+    assert torch.equal(again, dst)
+    for args, message in [((dst, src.double(), torch.tensor([1, 2], device=device)), "src"),
+                          ((dst, src[:2], torch.tensor([1, 2], device=device)), "shape"),
+                          ((dst, src, torch.tensor([1], device=device)), "rounding"),
+                          ((dst.int(), src, torch.tensor([1, 2], device=device)), "dst")]:
+        with pytest.raises(RuntimeError, match=message):
+            ops._round_into(*args)
 
 
 def _train(emb, batches, device):

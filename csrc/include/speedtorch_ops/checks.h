@@ -182,6 +182,12 @@ void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t perio
 // neither: cache buf's dtype, device, parts and width, each part contiguous, at 1-D int64 on
 // buf's device, neither overlapping buf; rounding 2 contiguous int64 on buf's device. Returns
 // the rule.
+// _round_into: dst floating (float32, float64, float16, bfloat16) and contiguous, src float32,
+// contiguous, dst's shape and device, not overlapping dst; rounding 2 contiguous int64 on
+// dst's device.
+void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
+                           const at::Tensor& rounding);
+
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
