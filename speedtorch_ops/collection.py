@@ -495,9 +495,12 @@ class HostEmbeddingBagCollection(nn.Module):
                     gathered[key] = current if in_place and len(present) == len(names) else \
                         torch.cat([p.to(current.device, current.dtype) for p in pieces])
             loads.append((group, gathered))
+        names = {t.name for t in self.tables}
         for key in state_dict:
-            if key.startswith(prefix) and key not in known and not any(
-                    key.endswith("." + name) for name in optional_keys):
+            if not key.startswith(prefix) or key in known:
+                continue
+            table, _, rest = key[len(prefix):].partition(".")
+            if table not in names or rest not in optional_keys:  # a known table's optional
                 unexpected_keys.append(key)
         if errors:
             error_msgs.extend(errors)

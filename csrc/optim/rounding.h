@@ -1,6 +1,7 @@
-// Stochastic rounding of the fused update's 16-bit stores, shared by the CPU and CUDA kernels
-// (torch-free and CUDA-free: plain C++ that compiles for the host and, under nvcc, for the
-// device, so both give the same bits for the same key).
+// Stochastic rounding of a step's 16-bit stores (the fused update's, and _round_into's for
+// torch's own step), shared by the CPU and CUDA kernels (torch-free and CUDA-free: plain C++
+// that compiles for the host and, under nvcc, for the device, so both give the same bits for
+// the same key).
 //
 // A float x between two neighbours lo < x < hi of a 16-bit format is stored as hi with
 // probability (x - lo) / (hi - lo), else lo: the expected stored value is x, so many updates

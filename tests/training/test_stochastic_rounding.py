@@ -293,6 +293,13 @@ def test_a_collection_checkpoint_resumes_the_rounding_stream(tmp_path):
     assert {"a.optimizer.rounding_seed", "b.optimizer.rounding_counter"} <= set(sd)
     for key, value in sd.items():
         assert torch.equal(resumed.state_dict()[key], value), key
+    wide = so.HostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
+                                         optimizer_kwargs={"lr": 0.01}, device="cpu")
+    wide.load_state_dict(sd)  # strict: a table's rounding entries are optional
+    assert torch.equal(wide.table_weight("a"), whole.table_weight("a").float())
+    stray = {**sd, "zzz.optimizer.rounding_seed": torch.tensor(1)}
+    assert wide.load_state_dict(stray, strict=False).unexpected_keys == [
+        "zzz.optimizer.rounding_seed"]
 
 
 def test_cached_and_captured_steps_round_as_the_plain_step():
