@@ -13,6 +13,7 @@ cost at the link's best). Output: a table, cache_budget.json and cache_budget.pn
 --selfcheck checks the captured baseline's step on the CPU against a float64 lazy Adam.
 
     python3 bench/cache_budget.py --vocab 4000000 --dim 128 --batch 8192 --budgets 0 300 600 1200 4000
+    python3 bench/cache_budget.py --dtypes float32 bfloat16 --budgets 1200 2400   # 16-bit rows
 """
 
 import argparse

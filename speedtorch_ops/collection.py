@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import _FLOATING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup, _same_view
+from .modules import _FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup, _same_view
 from .training.cache import CachedRows
 from .training.placement import upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -222,7 +222,11 @@ class HostEmbeddingBagCollection(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The collection's dtype: that of the tables whose TableConfig names none."""
+        """The collection's dtype: that of the tables whose TableConfig names none (as a
+        conversion such as ``.double()`` left them)."""
+        for k, t in enumerate(self.tables):
+            if t.dtype is None:
+                return self.groups[self._group_of[k]].dtype
         return self._default_dtype
 
     # ---- a step --------------------------------------------------------------------------
@@ -404,14 +408,18 @@ class HostEmbeddingBagCollection(nn.Module):
 
     def cache_stats(self) -> dict:
         """Per group of tables ("dim<D>", or "dim<D>-<dtype>" where tables of one width have
-        several dtypes) and in total ("total"): HostEmbedding.cache_stats's counts (the tables
+        several dtypes, "-<group>" after it where a conversion gave them one) and in total
+        ("total"): HostEmbedding.cache_stats's counts (the tables
         of a group share one cache); per table (by name): distinct rows looked up, cache hits
         and the hit rate, under "tables". Reading them waits for the GPU."""
         per_table = self._table_stats.tolist()
         widths = [g.embedding_dim for g in self.groups]
-        out = {f"dim{g.embedding_dim}" + ("" if widths.count(g.embedding_dim) == 1 else
-                                          "-" + str(g.dtype).removeprefix("torch."))
-               : g.cache_stats() for g in self.groups}
+        out = {}
+        for n, g in enumerate(self.groups):
+            name = f"dim{g.embedding_dim}"
+            if widths.count(g.embedding_dim) > 1:
+                name += "-" + str(g.dtype).removeprefix("torch.")
+            out[name if name not in out else f"{name}-{n}"] = g.cache_stats()
         total = {}
         for stats in out.values():
             for key, value in stats.items():
@@ -457,6 +465,7 @@ class HostEmbeddingBagCollection(nn.Module):
         before any is loaded, so an error loads nothing."""
         known, loads, errors = set(), [], []
         optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
+        rounding_keys = {f"optimizer.{key}" for key in _ROUNDING}
         for g, group in enumerate(self.groups):
             whole: dict = {}
             group.save_rows(whole)  # the group's keys and their current tensors (flushed)
@@ -500,7 +509,7 @@ class HostEmbeddingBagCollection(nn.Module):
             if not key.startswith(prefix) or key in known:
                 continue
             table, _, rest = key[len(prefix):].partition(".")
-            if table not in names or rest not in optional_keys:  # a known table's optional
+            if table not in names or rest not in rounding_keys:  # 16-bit tables' own
                 unexpected_keys.append(key)
         if errors:
             error_msgs.extend(errors)

@@ -72,8 +72,9 @@ _STARTED = "momentum_started"  # the module's own optimizer state: SGD's first s
 # The module's own optimizer state of a 16-bit table's stochastic rounding: 0-dim views of its
 # (seed, counter), so checkpoints carry them and a resumed run draws as the unbroken one would.
 _ROUNDING = ("rounding_seed", "rounding_counter")
-# State a checkpoint may lack (one from before it, or from a table without stochastic rounding)
-# and a module may be given without holding it: neither missing nor unexpected.
+# State a checkpoint may lack (one from before it, or from a table without stochastic
+# rounding): never missing. The rounding's entries are never unexpected either (a 16-bit
+# table's checkpoint loads into a float32 one).
 OPTIONAL_STATE = (_STARTED, *_ROUNDING)
 
 
@@ -331,8 +332,14 @@ class _HostRowsModule(nn.Module):
                 _normal_init(self._table("weight"))
                 if self.padding_idx is not None:  # nn's padding row starts at zero
                     self._table("weight")[self.padding_idx].zero_()
+        self._seed_rounding()
         self.steps = 0  # step() calls so far
         self._generation = 0  # a training forward's outputs belong to one generation
+
+    def _seed_rounding(self) -> None:
+        """A new seed for the stochastic rounding from torch's generator (none without it)."""
+        if self._rounding is not None:
+            self._rounding[0] = int(torch.randint(0, 2**62, ()))
 
     def _check_padding_idx(self, padding_idx: Optional[int]) -> Optional[int]:
         """nn's rule: in [-rows, rows), a negative index counting from the end."""
@@ -382,10 +389,10 @@ class _HostRowsModule(nn.Module):
         self._fill_state()
         # Stochastic rounding of the fused update's 16-bit stores (on by default, as FBGEMM's):
         # (seed, counter) on the device, the counter rising every step. The seed comes from
-        # torch's generator, so torch.manual_seed reproduces a run.
+        # torch's generator (_seed_rounding, after the weights are initialised: a table starts
+        # from the same weights with or without it), so torch.manual_seed reproduces a run.
         rounds = dtype in (torch.float16, torch.bfloat16) and self._rounding_setting is not False
-        self._rounding = (torch.tensor([int(torch.randint(0, 2**62, ())), 0], dtype=torch.int64,
-                                       device=device) if rounds else None)
+        self._rounding = (torch.zeros(2, dtype=torch.int64, device=device) if rounds else None)
         if rounds:
             state = self.optimizer.state[self._rows]
             state.update(zip(_ROUNDING, self._rounding.unbind()))
@@ -763,6 +770,8 @@ class _HostRowsModule(nn.Module):
             for name, table in old.items():
                 self._table(name).copy_(table)
         state = self.optimizer.state[self._rows]
+        if not any(key in scalars for key in _ROUNDING):
+            self._seed_rounding()  # a new 16-bit table (else the old one's stream carries on)
         for key, value in scalars.items():
             if isinstance(value, Tensor) and isinstance(state.get(key), Tensor):
                 state[key].copy_(value)
@@ -899,7 +908,7 @@ class _HostRowsModule(nn.Module):
         expected = list(tables) + [f"optimizer.{key}" for key in scalars
                                    if key not in OPTIONAL_STATE
                                    or prefix + f"optimizer.{key}" in state_dict]
-        optional = {f"optimizer.{key}" for key in OPTIONAL_STATE}
+        optional = {f"optimizer.{key}" for key in _ROUNDING}  # never unexpected: see _ROUNDING
         # Only this module's keys: missing_keys and error_msgs are the whole model's, and nn
         # passes strict=True here whatever the caller asked (it judges strict itself).
         present = [name for name in expected if prefix + name in state_dict]

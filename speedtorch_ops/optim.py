@@ -114,7 +114,7 @@ class PartialRowWiseAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or p.shape[0] == 0:  # no rows: nothing to update or count
                     continue
                 state = self.state[p]
                 if "step" not in state:
@@ -129,8 +129,8 @@ class PartialRowWiseAdam(torch.optim.Optimizer):
                 rows = (-1,) + (1,) * (p.dim() - 1)
                 state["exp_avg"].lerp_(grad, 1 - beta1)
                 v = state["exp_avg_sq"]
-                v.mul_(beta2).add_(grad.reshape(p.shape[0], -1).square().mean(1),
-                                   alpha=1 - beta2)
+                v.mul_(beta2).add_(grad.flatten(1).square().mean(1) if p.dim() > 1
+                                   else grad.square(), alpha=1 - beta2)
                 t = step.to(device=p.device, dtype=torch.float64)
                 bias1 = 1 - torch.pow(beta1, t)
                 bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, t))

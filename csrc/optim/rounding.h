@@ -17,13 +17,15 @@
 
 namespace speedtorch_ops::optim {
 
-// A 16-bit format with float32's exponent range or a narrower one: the mantissa bits it keeps
-// and its smallest normal exponent (round_stochastic).
+// A 16-bit format with float32's exponent range or a narrower one: the mantissa bits it keeps,
+// its smallest normal exponent, and the bits of its largest finite value as a float
+// (round_stochastic).
 struct Narrow {
   int kept;
   int min_exp;
+  uint32_t max_bits;
 };
-constexpr Narrow kHalf{10, -14};
+constexpr Narrow kHalf{10, -14, 0x477fe000u};  // 65504
 
 SPEEDTORCH_HD uint32_t float_bits(float x) {
 #ifdef __CUDA_ARCH__
@@ -122,8 +124,14 @@ SPEEDTORCH_HD float round_stochastic(float x, uint32_t u, Narrow f) {
     return x < 0 ? -up : up;
   }
   const uint32_t mask = (1u << drop) - 1u;
-  b += u & mask;
-  return bits_float(b & ~mask);
+  const uint32_t up = (b + (u & mask)) & ~mask;
+  // Above f's largest finite value the upper neighbour is infinity: values that
+  // round-to-nearest keeps finite (within half a step of it) stay at it.
+  const uint32_t magnitude = up & 0x7fffffffu;
+  if (magnitude > f.max_bits && (b & 0x7fffffffu) < f.max_bits + (1u << (drop - 1))) {
+    return bits_float((b & 0x80000000u) | f.max_bits);
+  }
+  return bits_float(up);
 }
 
 // A 16-bit format's stochastic rounding of x under a row's key and an element's number (the

@@ -387,3 +387,14 @@ def test_tables_with_their_own_dtype(gen):
     assert set(ebc.cache_stats()) >= {"dim4-float64", "dim4-bfloat16", "dim6", "total"}
     with pytest.raises(TypeError, match="TableConfig 't': dtype must be a floating dtype"):
         so.TableConfig("t", 10, 4, dtype=torch.int32)
+
+
+def test_a_converted_collection_reports_its_dtype_and_every_group():
+    ebc = so.HostEmbeddingBagCollection(
+        [so.TableConfig("a", 10, 4, dtype=torch.bfloat16), so.TableConfig("b", 10, 4)],
+        device="cpu")
+    assert ebc.dtype == torch.float32 and len(ebc.groups) == 2
+    ebc.double()
+    assert ebc.dtype == torch.float64
+    stats = ebc.cache_stats()
+    assert len([k for k in stats if k.startswith("dim4")]) == 2  # two groups, two names

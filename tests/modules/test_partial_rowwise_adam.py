@@ -160,3 +160,16 @@ def test_captured_step_counts_on_the_device():
     for key, value in eager.state_dict().items():
         assert torch.allclose(graphed.state_dict()[key].cpu(), value.cpu(), rtol=1e-5,
                               atol=1e-6), key
+
+
+def test_a_step_without_rows_changes_nothing():
+    """A step whose forward looked nothing up (torch's step on no rows): the step count and
+    the state stay as they were, as for the fused update."""
+    emb = so.HostEmbedding(10, 4, optimizer=so.PartialRowWiseAdam, optimizer_kwargs=KW,
+                           device="cpu", dtype=torch.float64)
+    emb.fused_update = False
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    emb(torch.zeros(0, dtype=torch.int64)).sum().backward()
+    emb.step()
+    for key, value in emb.state_dict().items():
+        assert torch.equal(value, before[key]), key

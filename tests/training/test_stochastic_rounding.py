@@ -340,3 +340,34 @@ def test_cached_and_captured_steps_round_as_the_plain_step():
     for other in (tiny, graphed):
         for key, value in other.state_dict().items():
             assert torch.equal(value.cpu(), want[key].cpu()), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_keeps_finite_what_nearest_keeps_finite(device):
+    """Past float16's largest value (65504) the upper neighbour is infinity: a value that
+    round-to-nearest keeps finite stays at 65504, one it takes to infinity may go there."""
+    src = torch.tensor([65510.0, -65519.0, 65600.0, 1e6], device=device).repeat(1000)
+    dst = torch.empty_like(src, dtype=torch.float16)
+    ops._round_into(dst, src, torch.tensor([3, 1], device=device))
+    got = dst.float().view(1000, 4).cpu()
+    assert torch.equal(got[:, 0], torch.full((1000,), 65504.0))
+    assert torch.equal(got[:, 1], torch.full((1000,), -65504.0))
+    assert bool(torch.isinf(got[:, 3]).all())
+    assert set(got[:, 2].tolist()) <= {65504.0, float("inf")}
+
+
+def test_a_table_starts_from_the_same_weights_with_or_without_rounding():
+    starts = []
+    for dtype, rounding in [(torch.bfloat16, None), (torch.bfloat16, False), (torch.float32, None)]:
+        torch.manual_seed(4)
+        emb = so.HostEmbedding(50, 8, dtype=dtype, device="cpu", stochastic_rounding=rounding)
+        starts.append(emb.weight.float())
+    assert torch.equal(starts[0], starts[1])
+    assert torch.equal(starts[0], starts[2].to(torch.bfloat16).float())
+    torch.manual_seed(4)
+    a = so.HostEmbedding(50, 8, dtype=torch.bfloat16, device="cpu")
+    b = so.HostEmbedding(50, 8, dtype=torch.bfloat16, device="cpu")
+    assert int(a._rounding[0]) != int(b._rounding[0])  # each table its own stream
+    seed = int(a._rounding[0])
+    a.to(torch.float16)  # a conversion carries the stream on
+    assert int(a._rounding[0]) == seed
