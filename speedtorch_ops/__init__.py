@@ -4,7 +4,8 @@ Layers, data flowing down: the SpeedTorch-compatible classes (``compat``) -> row
 step's plan (``training``) -> typed wrappers, fakes and autograd (``ops``) ->
 ``torch.ops.speedtorch_ops`` (the C++/CUDA kernels). ``memory`` holds the pinned-memory helpers,
 ``io`` streamed and atomic saves and loads of tables, ``modules`` HostEmbedding and
-HostEmbeddingBag, ``optim`` RowWiseAdagrad and PartialRowWiseAdam, ``capture`` a whole training step in a CUDA graph,
+HostEmbeddingBag, ``optim`` RowWiseAdagrad and PartialRowWiseAdam, ``capture`` a whole
+training step in a CUDA graph,
 ``distributed`` (imported on its own: ``import speedtorch_ops.distributed``) the modules split by
 rows across a torch.distributed group, ``demo`` the main job (``python -m speedtorch_ops.demo``).
 """

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import _FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup, _same_view
+from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup,
+                      _same_view)
 from .training.cache import CachedRows
 from .training.placement import upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode

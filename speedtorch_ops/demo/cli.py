@@ -12,7 +12,8 @@ import speedtorch_ops as so
 from . import __doc__ as DOC
 from .corpus import CORPORA
 from .model import neighbour_precision
-from .train import DTYPES, OPTIMIZERS, resolve_switching, train_all_on_gpu, train_engine, warmup_steps
+from .train import (DTYPES, OPTIMIZERS, resolve_switching, train_all_on_gpu, train_engine,
+                    warmup_steps)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -60,6 +60,28 @@ def test_each_store_is_a_neighbour_drawn_without_bias(device, name, dim):
     assert bool((nearest == (lo if p < 0.5 else hi)).all()), name
 
 
+def test_the_cpu_and_the_gpu_draw_the_same_bits():
+    """The same (seed, counter) rounds the same values to the same bits on both devices:
+    _round_into over random values of both 16-bit formats (float16's subnormals among them),
+    and the fused SGD update at one element a lane and at 16 bytes (its float arithmetic exact
+    here: lr 1)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
+    g = torch.Generator().manual_seed(11)
+    src = torch.randn(70000, generator=g) * torch.logspace(-7, 3, 70000)
+    for dtype in (torch.bfloat16, torch.float16):
+        got = []
+        for device in ("cpu", "cuda"):
+            dst = torch.empty(70000, dtype=dtype, device=device)
+            ops._round_into(dst, src.to(device), torch.tensor([9, 4], device=device))
+            got.append(dst.cpu())
+        assert torch.equal(got[0], got[1]), dtype
+    for dtype, w, grad in [(torch.bfloat16, 1.0, -3 * 2.0**-10), (torch.float16, 1000.0, 0.25)]:
+        for dim in (7, 16):
+            rows = [sgd_store(d, dtype, w, grad, 1.0, (5, 6), dim) for d in ("cpu", "cuda")]
+            assert torch.equal(rows[0], rows[1]), (dtype, dim)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_key_gives_the_same_draws_and_a_new_counter_new_ones(device):
     dtype, w, g, lr, _, _ = CASES["bf16"]
