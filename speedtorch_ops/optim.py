@@ -114,7 +114,7 @@ class PartialRowWiseAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None or p.shape[0] == 0:  # no rows: nothing to update or count
+                if p.grad is None:
                     continue
                 state = self.state[p]
                 if "step" not in state:

@@ -162,14 +162,21 @@ def test_captured_step_counts_on_the_device():
                               atol=1e-6), key
 
 
-def test_a_step_without_rows_changes_nothing():
-    """A step whose forward looked nothing up (torch's step on no rows): the step count and
-    the state stay as they were, as for the fused update."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_without_rows_counts_and_changes_no_row(fused, gen):
+    """A step whose forward looked nothing up counts the step (as torch's Adam does, and the
+    fused update) and changes no row; the next step goes on from there."""
     emb = so.HostEmbedding(10, 4, optimizer=so.PartialRowWiseAdam, optimizer_kwargs=KW,
                            device="cpu", dtype=torch.float64)
-    emb.fused_update = False
+    emb.fused_update = fused
     before = {k: v.clone() for k, v in emb.state_dict().items()}
     emb(torch.zeros(0, dtype=torch.int64)).sum().backward()
     emb.step()
-    for key, value in emb.state_dict().items():
-        assert torch.equal(value, before[key]), key
+    after = emb.state_dict()
+    assert float(after["optimizer.step"]) == 1
+    for key, value in after.items():
+        if key != "optimizer.step":
+            assert torch.equal(value, before[key]), key
+    emb(torch.tensor([3, 3, 5])).pow(2).sum().backward()
+    emb.step()
+    assert float(emb.state_dict()["optimizer.step"]) == 2
