@@ -33,14 +33,6 @@ struct Target {
   int64_t at_len;
 };
 
-// Stochastic rounding of a step's 16-bit stores: off, or (seed, counter) as given, or read
-// from the device (a captured step's replays count on).
-struct Rounding {
-  bool on;
-  uint64_t seed, counter;
-  const int64_t* device;  // nullptr: seed and counter as given
-};
-
 // One warp a row: its lanes stride over the row's columns, VW at a time. A row-wise
 // accumulator takes the mean of the row's squared gradients (a warp reduction) before the
 // weights move. The weight and state are read from where the row lives and written there (a
@@ -51,12 +43,13 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
                                         int64_t dim, const V* grad, const int64_t* count,
                                         optim::Rule rule, optim::Hyper h, const void* step,
                                         bool step_f64, Parts parts, Target target,
-                                        Rounding rounding) {
+                                        const int64_t* rounding) {
   using T = typename Math<V>::type;
-  if (rounding.device != nullptr) {
-    rounding.seed = static_cast<uint64_t>(rounding.device[0]);
-    rounding.counter = static_cast<uint64_t>(rounding.device[1]);
-  }
+  // Stochastic rounding's (seed, counter), read on the device (a captured step's replays
+  // count on); nullptr: round to nearest.
+  const bool rounds = rounding != nullptr;
+  const uint64_t seed = rounds ? static_cast<uint64_t>(rounding[0]) : 0;
+  const uint64_t counter = rounds ? static_cast<uint64_t>(rounding[1]) : 0;
   if (step != nullptr) {
     const double s = step_f64 ? *static_cast<const double*>(step)
                               : static_cast<double>(*static_cast<const float*>(step));
@@ -78,7 +71,7 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
         stride = target.cache_stride;
       }
     }
-    const uint64_t key = rounding.on ? optim::row_key(rounding.seed, rounding.counter, r) : 0;
+    const uint64_t key = rounds ? optim::row_key(seed, counter, r) : 0;
     T row_sum = 0;
     if (optim::has_row_value(rule)) {
       T sq = 0;
@@ -90,7 +83,7 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
       row_sum = optim::row_value(rule, h, load(home + dim), sq / static_cast<T>(dim));
       __syncwarp();
       if (lane == 0) {
-        store_pack_rounded<V, 1>(home + dim, &row_sum, rounding.on, key, optim::kRowElement);
+        store_pack_rounded<V, 1>(home + dim, &row_sum, rounds, key, optim::kRowElement);
       }
     }
     for (int64_t j = lane * VW; j < dim; j += kWarp * VW) {
@@ -110,11 +103,11 @@ __global__ void fused_row_update_kernel(V* buf, int64_t n, int64_t part_stride, 
                       row_sum);
         for (int k = 0; k < 3; ++k) s[k][e] = st[k];
       }
-      store_pack_rounded<V, VW>(home + j, w, rounding.on, key, optim::weight_element(j));
+      store_pack_rounded<V, VW>(home + j, w, rounds, key, optim::weight_element(j));
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         if (k < parts.count) {
-          store_pack_rounded<V, VW>(home + parts.part[k] * stride + j, s[k], rounding.on, key,
+          store_pack_rounded<V, VW>(home + parts.part[k] * stride + j, s[k], rounds, key,
                                     optim::state_element(k, j));
         }
       }
@@ -129,8 +122,7 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
                                     optim::Hyper h, const void* step, bool step_f64,
                                     const int* state_part, int states, void* cache,
                                     int64_t cache_stride, int64_t slots, const int64_t* at,
-                                    int64_t at_len, bool rounds, uint64_t seed,
-                                    uint64_t counter, const int64_t* rounding,
+                                    int64_t at_len, const int64_t* rounding,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (states < 0 || states > 3) return cudaErrorInvalidValue;
@@ -145,15 +137,14 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
                      aligned16(buf) && aligned16(grad) &&
                      (cache == nullptr || (aligned16(cache) && cache_stride % kVec == 0));
     const Target target{cache, cache_stride, slots, at, at_len};
-    const Rounding round{rounds, seed, counter, rounds ? rounding : nullptr};
     if (vec) {
       fused_row_update_kernel<V, kVec><<<blocks, kUpdateThreads, 0, stream>>>(
           static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count,
-          rule, h, step, step_f64, parts, target, round);
+          rule, h, step, step_f64, parts, target, rounding);
     } else {
       fused_row_update_kernel<V, 1><<<blocks, kUpdateThreads, 0, stream>>>(
           static_cast<V*>(buf), n, part_stride, width, dim, static_cast<const V*>(grad), count,
-          rule, h, step, step_f64, parts, target, round);
+          rule, h, step, step_f64, parts, target, rounding);
     }
     return cudaGetLastError();
   };

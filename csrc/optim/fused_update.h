@@ -19,16 +19,15 @@ namespace speedtorch_ops::cuda {
 // constants come from *step (a float or double on the device, after this step's increment)
 // when step != nullptr, else as given. With a cache (parts cache_stride apart, `slots` rows of
 // width): a row r < at_len whose at[r] is a slot lives there: its weight and state are read and
-// written there (its staged row is not read). With `rounds` (F16 and BF16 only), the stores
-// round stochastically (rounding.h) under (seed, counter), or under rounding[0] and
-// rounding[1] read on the device when rounding != nullptr.
+// written there (its staged row is not read). With rounding != nullptr (F16 and BF16 only;
+// wider types ignore it), the stores round stochastically (rounding.h) under rounding[0]
+// (seed) and rounding[1] (counter), read on the device.
 cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t part_stride,
                                     int64_t width, int64_t dim, const void* grad, const int64_t* count, optim::Rule rule,
                                     optim::Hyper h, const void* step, bool step_f64,
                                     const int* state_part, int states, void* cache,
                                     int64_t cache_stride, int64_t slots, const int64_t* at,
-                                    int64_t at_len, bool rounds, uint64_t seed,
-                                    uint64_t counter, const int64_t* rounding,
+                                    int64_t at_len, const int64_t* rounding,
                                     cudaStream_t stream);
 
 }  // namespace speedtorch_ops::cuda

@@ -42,9 +42,7 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
       cache.has_value() ? cache->mutable_data_ptr() : nullptr,
       cache.has_value() ? cache->stride(0) : 0, cache.has_value() ? cache->size(1) : 0,
       at.has_value() ? at->const_data_ptr<int64_t>() : nullptr, at.has_value() ? at->numel() : 0,
-      checked.rounds, checked.seed, checked.counter,
-      checked.rounds && !rounding->device().is_cpu() ? rounding->const_data_ptr<int64_t>()
-                                                     : nullptr,
+      checked.rounds ? rounding->const_data_ptr<int64_t>() : nullptr,  // on buf's device
       at::cuda::getCurrentCUDAStream(buf.device().index())));
 }
 

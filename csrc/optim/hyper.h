@@ -14,8 +14,8 @@ namespace speedtorch_ops::optim {
 struct Checked {
   Rule rule;
   Hyper hyper;
-  bool rounds = false;     // 16-bit stores round stochastically (a rounding tensor was given)
-  uint64_t seed = 0;       // read here when the rounding tensor lives on the host
+  bool rounds = false;  // 16-bit stores round stochastically (a rounding tensor was given)
+  uint64_t seed = 0;    // read here when the rounding tensor lives on the host (a CPU step)
   uint64_t counter = 0;
 };
 
