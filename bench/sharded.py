@@ -18,6 +18,7 @@ On a machine without GPUs the ranks run on the CPU with gloo (small sizes: a smo
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import time
@@ -56,6 +57,11 @@ def parse(argv=None):
                    default=["together", "apart"],
                    help="together: both tables in one ShardedEmbeddingCollection (one exchange "
                         "per phase); apart: each table its own exchanges")
+    p.add_argument("--engine", nargs="+", choices=["collection", "modules"],
+                   default=["collection", "modules"],
+                   help="collection: ShardedEmbeddingBagCollection, each step one CUDA graph "
+                        "replay with the next batch's rows prefetched (eager on the CPU); "
+                        "modules: ShardedHostEmbedding with --route, eager")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -130,6 +136,115 @@ def measure(a, u, v, data, device, world, together=None):
     return result
 
 
+class CollectionStep:
+    """The skip-gram on one collection of two tables (u: the centre words; v: each centre's
+    context and negatives, one feature), unpooled, Adam: a sharded collection or, with
+    `sharded` False, the single-process one. On a GPU each step is one CUDA graph replay that
+    also prefetches the next batch's rows."""
+
+    def __init__(self, a, device, sharded: bool):
+        tables = [so.TableConfig("u", a.vocab, a.dim, pooling="none", feature_names=["centre"]),
+                  so.TableConfig("v", a.vocab, a.dim, pooling="none", feature_names=["context"])]
+        gpu = device.type == "cuda"
+        kwargs = dict(optimizer=torch.optim.Adam,
+                      optimizer_kwargs={"lr": a.lr, "capturable": gpu}, device=device,
+                      cache_bytes=int(a.cache_mb * 2**20) if gpu else 0,
+                      bounds_check="prechecked" if gpu else "raise")
+        cls = so.distributed.ShardedEmbeddingBagCollection if sharded else \
+            so.HostEmbeddingBagCollection
+        self.ebc = cls(tables, **kwargs)
+        bound = 0.5 / a.dim
+        for g in self.ebc.groups:  # both tables in one group: u's rows, then v's
+            g.reset_parameters(lambda w: w.normal_(0.0, bound))
+        self.a, self.device = a, device
+        self.captured = None
+        if gpu:
+            self.captured = so.CapturedStep(self._train, rows=(a.vocab,) * 6, device=device,
+                                            group=getattr(self.ebc, "route_group", None))
+
+    def _kjt(self, labels, ctx, negs):
+        b = labels.shape[0]
+        values = torch.cat([labels.reshape(-1), torch.cat([ctx.view(b, -1), negs], 1).view(-1)])
+        lengths = torch.cat([torch.ones(b, dtype=torch.int64, device=values.device),
+                             torch.full((b,), 1 + negs.shape[1], dtype=torch.int64,
+                                        device=values.device)])
+        return so.KeyedJaggedTensor(["centre", "context"], values, lengths=lengths,
+                                    length_per_key=[b, b * (1 + negs.shape[1])])
+
+    def _train(self, labels, ctx, negs, *following):
+        out = self.ebc(self._kjt(labels, ctx, negs))
+        if following:
+            self.ebc.prefetch(self._kjt(*following))
+        b = labels.shape[0]
+        rows = out["context"].view(b, -1, self.a.dim)
+        loss = skipgram_loss(out["centre"].view(b, 1, -1), rows[:, :1], rows[:, 1:])
+        loss.backward()
+        self.ebc.step()
+        return loss.detach()
+
+    def step(self, batch, following):
+        if self.captured is not None:
+            return self.captured(*batch, *following)
+        return self._train(*batch)
+
+
+def measure_collection(a, data, device, world, sharded: bool) -> dict:
+    run = CollectionStep(a, device, sharded)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def step(i):
+        run.step(data[i % len(data)], data[(i + 1) % len(data)])
+
+    for i in range(a.warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(a.steps):
+        step(a.warmup + i)
+    sync()
+    seconds = time.perf_counter() - start
+    stats = run.ebc.cache_stats()["total"]
+    result = {"step_ms": seconds / a.steps * 1e3,
+              "samples_per_s": world * a.batch * a.steps / seconds,
+              "hit_rate": stats["hit_rate"], "graph": run.captured is not None}
+    if world > 1:  # every rank's step time: a slow rank makes its peers wait
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, result["step_ms"])
+        result["step_ms_per_rank"] = per_rank
+    del run
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def measure_modules_captured(a, data, device) -> dict:
+    """The demo's one-GPU engine on the same batches: two HostEmbeddings sharing the cache
+    budget, each step one CUDA graph replay that prefetches the next batch's rows."""
+    from types import SimpleNamespace
+
+    from speedtorch_ops.demo.train import ModuleTraining
+    run = ModuleTraining(SimpleNamespace(
+        optimizer="adam", lr=a.lr, fused=None, cache_mb=a.cache_mb, dim=a.dim, vocab=a.vocab,
+        negatives=a.negatives, graph="on", prefetch="on", dtype="float32", rounding=None),
+        device)
+    for i in range(a.warmup):
+        run.step(data[i % len(data)], data[(i + 1) % len(data)])
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for i in range(a.steps):
+        run.step(data[(a.warmup + i) % len(data)], data[(a.warmup + i + 1) % len(data)])
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    stats = [emb.cache_stats() for emb in (run.u, run.v)]
+    hits, lookups = sum(s["hits"] for s in stats), sum(s["lookups"] for s in stats)
+    del run
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"step_ms": seconds / a.steps * 1e3, "samples_per_s": a.batch * a.steps / seconds,
+            "hit_rate": hits / lookups if lookups else 0.0, "graph": True}
+
+
 def run_rank(a, rank, world, local_rank):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -141,16 +256,26 @@ def run_rank(a, rank, world, local_rank):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     data = batches(a, rank)
     torch.manual_seed(rank)  # each rank initialises its own shard
-    u, v = tables(a, device, sharded=True)
     result = {"world": world, "device": str(device), "backend": backend}
-    for route in a.route:  # the same tables, trained on: only the routing differs
-        together = ShardedEmbeddingCollection({"u": u, "v": v}) if route == "together" else None
-        result[f"sharded_{route}"] = measure(a, u, v, data, device, world, together)
-    result["sharded"] = result[f"sharded_{a.route[0]}"]
-    del u, v
-    if world == 1:  # the single-process module on the same batches: the routing's cost
-        u, v = tables(a, device, sharded=False)
-        result["single_process"] = measure(a, u, v, data, device, 1)
+    if "collection" in a.engine:
+        on_device = [tuple(x.to(device) for x in b) for b in data]  # a replay's inputs
+        result["collection"] = measure_collection(a, on_device, device, world, sharded=True)
+        if world == 1:  # the one-GPU configurations on the same batches
+            result["collection_single_process"] = measure_collection(a, on_device, device, 1,
+                                                                     sharded=False)
+            if device.type == "cuda":
+                result["hostembedding_captured"] = measure_modules_captured(a, data, device)
+    if "modules" in a.engine:
+        u, v = tables(a, device, sharded=True)
+        for route in a.route:  # the same tables, trained on: only the routing differs
+            together = ShardedEmbeddingCollection({"u": u, "v": v}) if route == "together" \
+                else None
+            result[f"sharded_{route}"] = measure(a, u, v, data, device, world, together)
+        result["sharded"] = result[f"sharded_{a.route[0]}"]
+        del u, v
+        if world == 1:  # the single-process module on the same batches: the routing's cost
+            u, v = tables(a, device, sharded=False)
+            result["single_process"] = measure(a, u, v, data, device, 1)
     return result
 
 
@@ -170,6 +295,42 @@ def _spawned(rank, world, a, store, out):
 
 
 def report(a, results):
+    if "collection" in a.engine:
+        report_collection(a, results)
+    if "modules" in a.engine:
+        report_modules(a, results)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "results": results}, f, indent=1)
+
+
+def report_collection(a, results):
+    """The captured collection: samples/s per world size against the best one-GPU run (the
+    sharded collection at one rank, the single-process collection, or the demo's two captured
+    HostEmbeddings, whichever is fastest)."""
+    one = [r[k] for r in results if r["world"] == 1
+           for k in ("collection", "collection_single_process", "hostembedding_captured")
+           if k in r]
+    best = max(one, key=lambda x: x["samples_per_s"]) if one else None
+    print(f"ShardedEmbeddingBagCollection: vocab {a.vocab:,} dim {a.dim}, {a.batch} centre "
+          f"words x (2 + {a.negatives}) ids per rank per step, cache {a.cache_mb:g} MiB per rank")
+    print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  per rank ms")
+    for r in results:
+        for key, name in (("collection", f"{r['world']} rank(s), sharded"),
+                          ("collection_single_process", "1 GPU, single-process collection"),
+                          ("hostembedding_captured", "1 GPU, 2 HostEmbeddings (demo)")):
+            x = r.get(key)
+            if x is None:
+                continue
+            if best is not None:
+                x["speedup_vs_best_one_gpu"] = x["samples_per_s"] / best["samples_per_s"]
+            print(f"{name:<34}{x['samples_per_s']:>12,.0f}{x['step_ms']:>9.3f}"
+                  f"{x['hit_rate']:>9.3f}  {x.get('step_ms_per_rank', '')}"
+                  + (f"  {x['speedup_vs_best_one_gpu']:.2f}x best one GPU"
+                     if "speedup_vs_best_one_gpu" in x else ""))
+
+
+def report_modules(a, results):
     single = next((r["single_process"] for r in results if "single_process" in r), None)
     one = next((r["sharded"] for r in results if r["world"] == 1), None)
     print(f"vocab {a.vocab:,} dim {a.dim}, {a.batch} centre words x (2 + {a.negatives}) ids per "
@@ -193,9 +354,6 @@ def report(a, results):
                     r.setdefault("speedup", {})[name] = (r["sharded"]["samples_per_s"]
                                                          / base["samples_per_s"])
             print(f"  speedup: {r.get('speedup')}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"config": vars(a), "results": results}, f, indent=1)
 
 
 def main():

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .distributed.exchange import agree
 from .training.placement import upload_all
 from .training.plan import _INTEGER, Plan, host_ids, out_of_range
 
@@ -53,6 +54,10 @@ class CapturedStep:
             size, as the modules trust these ids (``bounds_check="prechecked"``).
         device: the GPU (default: the current one).
         warmup: eager calls before the capture (at least 1).
+        group: for a step of a sharded module, a gloo group over its ranks (the module's
+            ``route_group``): each call's checks are agreed on there, so a bad id on any rank
+            makes every rank raise before its replay (a rank left replaying alone would wait in
+            its collectives for ever). None: this process's checks alone.
 
     Returns (a call ``captured(*ids)``, ids as NumPy arrays or tensors on any device): the
     step's outputs, the graph's own tensors (overwritten by the next call: clone to keep). Ids
@@ -66,7 +71,8 @@ class CapturedStep:
             loss = captured(ids)
     """
 
-    def __init__(self, step: Callable, rows: Sequence[int], device=None, warmup: int = 3):
+    def __init__(self, step: Callable, rows: Sequence[int], device=None, warmup: int = 3,
+                 group=None):
         if not torch.cuda.is_available():
             raise RuntimeError("CapturedStep needs a CUDA GPU (CUDA graphs)")
         if warmup < 1:
@@ -77,6 +83,7 @@ class CapturedStep:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda", torch.cuda.current_device())
         self.warmup = warmup
+        self.group = group
         self.calls = 0
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._inputs: Optional[list] = None
@@ -135,7 +142,15 @@ class CapturedStep:
         return out, [v.view(x.shape) for v, x in zip(views, checked)]
 
     def _call(self, ids):
-        host = self._checked(ids)
+        if self.group is None:
+            host = self._checked(ids)
+        else:
+            host, error = None, None
+            try:
+                host = self._checked(ids)
+            except Exception as e:  # raised here, and on every other rank, by agree
+                error = e
+            agree(self.group, error, [])
         self.calls += 1
         if self.calls <= self.warmup:
             current = torch.cuda.current_stream(self.device)

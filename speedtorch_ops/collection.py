@@ -157,7 +157,10 @@ class HostEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", dtype=torch.float32,
-                 stochastic_rounding: Optional[bool] = None):
+                 stochastic_rounding: Optional[bool] = None, _held_rows=None, _spare_rows=0):
+        # _held_rows: the rows of each table this module holds (a sharded collection's rank
+        # holds a part of each), default all; _spare_rows: rows each group holds past its
+        # tables' (a sharded group's padding row).
         super().__init__()
         tables = list(tables)
         if not tables or any(not isinstance(t, TableConfig) for t in tables):
@@ -169,6 +172,8 @@ class HostEmbeddingBagCollection(nn.Module):
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self.tables = tables
+        self._rows = list(_held_rows) if _held_rows is not None else \
+            [t.num_embeddings for t in tables]
         self.bounds_check = bounds_check
         self.features: List[_Feature] = []
         for k, t in enumerate(tables):
@@ -186,8 +191,8 @@ class HostEmbeddingBagCollection(nn.Module):
         for k, t in enumerate(tables):
             g = self._group_of[k]
             self._offset[k] = rows[g]
-            rows[g] += t.num_embeddings
-        groups = [_Group(rows[g], width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+            rows[g] += self._rows[k]
+        groups = [_Group(rows[g] + _spare_rows, width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                          device=device, bounds_check="prechecked", dtype=group_dtype,
                          stochastic_rounding=stochastic_rounding)
                   for g, (width, group_dtype) in enumerate(widths)]
@@ -211,7 +216,7 @@ class HostEmbeddingBagCollection(nn.Module):
                                                          device=self.device), persistent=False)
         for g in range(len(widths)):
             mine = [k for k in range(len(tables)) if self._group_of[k] == g]
-            ends = [self._offset[k] + tables[k].num_embeddings for k in mine]
+            ends = [self._offset[k] + self._rows[k] for k in mine]
             self.register_buffer(f"_ends{g}", torch.tensor(ends, device=self.device),
                                  persistent=False)
             self.register_buffer(f"_tables{g}", torch.tensor(mine, device=self.device),
@@ -293,10 +298,7 @@ class HostEmbeddingBagCollection(nn.Module):
             pieces, starts, n = [], [], 0
             for f in feats:
                 _, lo, hi = at[f.name]
-                ids = values[lo:hi].to(torch.int64)
-                if self._offset[f.table]:
-                    ids = ids + self._offset[f.table]
-                pieces.append(ids)
+                pieces.append(self._stacked(f.table, values[lo:hi].to(torch.int64)))
                 starts.append(n)
                 n += hi - lo
             flat = torch.cat(pieces) if pieces else values.new_zeros(0, dtype=torch.int64)
@@ -305,26 +307,51 @@ class HostEmbeddingBagCollection(nn.Module):
             out.append((feats, flat, starts))
         return out
 
-    @_eager
-    def forward(self, features) -> Dict[str, Tensor]:
+    def _stacked(self, table: int, ids: Tensor) -> Tensor:
+        """Table `table`'s ids as rows of its group (the table's row offset added)."""
+        offset = self._offset[table]
+        return ids + offset if offset else ids
+
+    def _prepare(self, features) -> tuple:
+        """A forward's input checked and laid out: (weights, lengths, stride, where each
+        feature's ids are, per group (features, flat group rows, starts))."""
         values, weights, lengths, stride, at = self._layout(features)
         self._check(values, lengths, stride, at)
         for f in self.features:
             if weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
+        return weights, lengths, stride, at, self._group_ids(values, at, self.device)
+
+    def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
+        """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
+        of positions lo..hi split into pieces of `sizes`): group `g`'s staged rows."""
+        group = self.groups[g]
+        plan, d, _ = group._stage((flat,), lookup_only=lookup_only)
+        self._count(g, d)
+        rows = group._lookup_rows(d.inverse)
+
+        def pick(lo: int, hi: int, sizes: list) -> tuple:
+            if lo == 0 and hi == len(d.inverse):  # the segment sum needs every position
+                return _lookup(rows, d, sizes, **group._lookup_source())  # no joins
+            # split, not slices: its backward is one cat, a slice's a zeroed whole
+            return F.embedding(d.inverse[lo:hi], rows).split(sizes)
+        return rows, d.inverse, pick
+
+    @_eager
+    def forward(self, features) -> Dict[str, Tensor]:
+        return self._forward(*self._prepare(features))
+
+    def _forward(self, weights, lengths, stride: int, at: dict, grouped: list) -> dict:
         outputs = {}
         lens = None
-        for g, (feats, flat, starts) in enumerate(self._group_ids(values, at, self.device)):
+        for g, (feats, flat, starts) in enumerate(grouped):
             if not feats:
                 continue
             group = self.groups[g]
             # Features without pooling alone read the rows through _lookup only.
-            plan, d, _ = group._stage((flat,), lookup_only=all(f.pooling == "none"
-                                                               for f in feats))
-            self._count(g, d)
-            rows = group._lookup_rows(d.inverse)
-            index = d.inverse
+            rows, index, pick = self._group_rows(g, flat, all(f.pooling == "none"
+                                                              for f in feats))
             for mode in ("none", "sum", "mean"):
                 mine = [(f, s) for f, s in zip(feats, starts) if f.pooling == mode]
                 if not mine:
@@ -333,11 +360,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 lo = mine[0][1]
                 hi = lo + sum(sizes)
                 if mode == "none":
-                    if lo == 0 and hi == len(index):  # the segment sum needs every position
-                        out = _lookup(rows, d, sizes, **group._lookup_source())  # no joins
-                    else:  # split, not slices: its backward is one cat, a slice's a zeroed whole
-                        out = F.embedding(index[lo:hi], rows).split(sizes)
-                    for (f, _), piece in zip(mine, out):
+                    for (f, _), piece in zip(mine, pick(lo, hi, sizes)):
                         outputs[f.name] = piece
                     continue
                 if lens is None:  # the bags from the lengths, which placed the features' ids
@@ -385,8 +408,10 @@ class HostEmbeddingBagCollection(nn.Module):
         """Start loading the rows of the next step's batch (see HostEmbedding.prefetch)."""
         values, _, lengths, stride, at = self._layout(features)
         self._check(values, lengths, stride, at)
-        for group, (feats, flat, _) in zip(self.groups, self._group_ids(values, at,
-                                                                        self.device)):
+        self._prefetch(self._group_ids(values, at, self.device))
+
+    def _prefetch(self, grouped: list) -> None:
+        for group, (feats, flat, _) in zip(self.groups, grouped):
             if feats:
                 group.prefetch(flat)
 
@@ -437,7 +462,7 @@ class HostEmbeddingBagCollection(nn.Module):
         """Table `name`'s weight (a view of the host table; flushed first)."""
         k = self._table_index(name)
         g = self.groups[self._group_of[k]]
-        return g.weight[self._offset[k]:self._offset[k] + self.tables[k].num_embeddings]
+        return g.weight[self._offset[k]:self._offset[k] + self._rows[k]]
 
     def _table_index(self, name: str) -> int:
         for k, t in enumerate(self.tables):
@@ -454,7 +479,7 @@ class HostEmbeddingBagCollection(nn.Module):
             for k, t in enumerate(self.tables):
                 if self._group_of[k] != g:
                     continue
-                lo, hi = self._offset[k], self._offset[k] + t.num_embeddings
+                lo, hi = self._offset[k], self._offset[k] + self._rows[k]
                 for key, value in whole.items():
                     rows = value.dim() >= 1 and value.shape[0] == group.num_embeddings
                     destination[f"{prefix}{t.name}.{key}"] = value[lo:hi] if rows else value
@@ -488,7 +513,7 @@ class HostEmbeddingBagCollection(nn.Module):
                     continue
                 pieces, in_place = [], True
                 for k, n in zip(mine, names):
-                    lo, count = self._offset[k], self.tables[k].num_embeddings
+                    lo, count = self._offset[k], self._rows[k]
                     here = current[lo:lo + count]
                     if n not in state_dict:
                         pieces.append(here)  # not in the checkpoint: kept as it is
@@ -502,6 +527,8 @@ class HostEmbeddingBagCollection(nn.Module):
                     in_place &= _same_view(v, here)
                     pieces.append(v)
                 if len(pieces) == len(mine):
+                    held = self._offset[mine[-1]] + self._rows[mine[-1]]
+                    pieces.append(current[held:])  # the group's spare rows, kept
                     gathered[key] = current if in_place and len(present) == len(names) else \
                         torch.cat([p.to(current.device, current.dtype) for p in pieces])
             loads.append((group, gathered))

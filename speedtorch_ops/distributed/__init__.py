@@ -1,10 +1,13 @@
 """Tables sharded by rows across the ranks of a torch.distributed process group (NCCL between
 GPUs, gloo on CPUs): ``ShardedHostEmbedding`` and ``ShardedHostEmbeddingBag``,
 ``ShardedEmbeddingCollection`` (several of them routed in one exchange per phase), and
-``full_state_dict`` to load a sharded checkpoint into the single-process modules."""
+``full_state_dict`` to load a sharded checkpoint into the single-process modules; and
+``ShardedEmbeddingBagCollection``, the table-batched collection split by rows, whose step
+a CUDA graph can capture whole."""
 
 from .checkpoint import full_state_dict
+from .collection import ShardedEmbeddingBagCollection
 from .sharded import ShardedEmbeddingCollection, ShardedHostEmbedding, ShardedHostEmbeddingBag
 
 __all__ = ["ShardedHostEmbedding", "ShardedHostEmbeddingBag", "ShardedEmbeddingCollection",
-           "full_state_dict"]
+           "ShardedEmbeddingBagCollection", "full_state_dict"]

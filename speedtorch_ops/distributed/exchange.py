@@ -82,6 +82,40 @@ def host_route_group(group):
     return dist.new_group(backend="gloo")
 
 
+def agree(route_group, error: Optional[BaseException], sizes: Sequence[int]) -> list:
+    """Collective on `route_group`: every rank learns each rank's `sizes` (host ints, [rank][k])
+    and whether any rank failed before it. A rank's own `error` is raised there and every other
+    rank raises naming it, so no rank goes on to a collective its peers will not join and
+    nothing has moved. With one rank: raises `error`, returns [sizes]."""
+    world = dist.get_world_size(route_group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return [list(sizes)]
+    header = torch.tensor([_OK if error is None else _FAILED, *sizes], dtype=torch.int64)
+    device = backend_device(route_group)
+    parts = [torch.empty_like(header, device=device) for _ in range(world)]
+    dist.all_gather(parts, header.to(device), group=route_group)
+    rows = torch.stack(parts).cpu().tolist()
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0] != _OK]
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} of the group raised before the exchange (see "
+                           "their errors); every rank raises; nothing was written.")
+    return [row[1:] for row in rows]
+
+
+def exchange(out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+             group) -> Tensor:
+    """`inp` (rows along dim 0, in_splits[r] of them for rank r) sent, `out` (out_splits[r]
+    rows from rank r) filled and returned: one all_to_all_single with split sizes every rank
+    knows already, so the host reads nothing back and a CUDA graph can hold it."""
+    dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits),
+                           input_split_sizes=list(in_splits), group=group)
+    return out
+
+
 class Route:
     """One step's routing on one rank, for the ids of one or several tables at once (one
     collective per phase, whatever the number of tables): each table's distinct ids bucketed

@@ -1,0 +1,229 @@
+"""What each rank runs in the tests of ShardedEmbeddingBagCollection, against the single-process
+HostEmbeddingBagCollection on the CPU in float64, trained on every rank's batch concatenated
+(keys in order, each key's samples rank after rank) with the ranks' losses summed. Every rank
+draws every rank's batch from (seed, step, rank), so each runs the reference itself."""
+
+import torch
+
+from speedtorch_ops import (HostEmbeddingBagCollection, KeyedJaggedTensor, PartialRowWiseAdam,
+                            RowWiseAdagrad, TableConfig)
+from speedtorch_ops.distributed import ShardedEmbeddingBagCollection
+
+F64 = torch.float64
+OPTIMIZERS = {
+    "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "Adam": (torch.optim.Adam, {"lr": 0.05}),
+    "AdamW-amsgrad": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1, "amsgrad": True}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "RowWiseAdagrad": (RowWiseAdagrad, {"lr": 0.1}),
+    "PartialRowWiseAdam": (PartialRowWiseAdam, {"lr": 0.05}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),  # torch's own step
+}
+# 37 and 23 rows: divisible by none of 2, 3, 4; one table of 2 rows (a rank owns none at 3
+# and 4 ranks); two widths; a table read by two features; every pooling.
+TABLES = [TableConfig("a", 37, 5, pooling="sum", feature_names=["fa", "fa2"]),
+          TableConfig("b", 23, 5, pooling="mean"),
+          TableConfig("c", 2, 5, pooling="none"),
+          TableConfig("d", 23, 3, pooling="none")]
+WEIGHTED = [TableConfig("a", 37, 5, pooling="sum"), TableConfig("c", 29, 4, pooling="none")]
+
+
+def batch(tables, seed, step, rank, stride, empty=False, weighted=False):
+    """(keys, values, lengths, weights): each feature's bags of 0-3 ids (none at all when
+    `empty`), a hot id in every rank's first bag of the first feature."""
+    g = torch.Generator().manual_seed(seed * 1000 + step * 10 + rank)
+    keys, values, lengths = [], [], []
+    for t in tables:
+        for f in t.feature_names:
+            lens = torch.zeros(stride, dtype=torch.int64) if empty else \
+                torch.randint(0, 4, (stride,), generator=g)
+            ids = torch.randint(0, t.num_embeddings, (int(lens.sum()),), generator=g)
+            if len(keys) == 0 and len(ids):
+                ids[0] = 1
+            keys.append(f)
+            values.append(ids)
+            lengths.append(lens)
+    weights = [torch.rand(len(v), dtype=F64, generator=g) for v in values] if weighted else None
+    return keys, values, lengths, weights
+
+
+def kjt(b, device):
+    keys, values, lengths, weights = b
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys, torch.cat(values).to(device), torch.cat(lengths).to(device),
+        weights=torch.cat(weights).to(device) if weights is not None else None)
+
+
+def concatenated(batches):
+    """The ranks' batches as one: each key's samples rank after rank."""
+    keys = batches[0][0]
+    values = [torch.cat([b[1][i] for b in batches]) for i in range(len(keys))]
+    lengths = [torch.cat([b[2][i] for b in batches]) for i in range(len(keys))]
+    weights = None if batches[0][3] is None else \
+        [torch.cat([b[3][i] for b in batches]) for i in range(len(keys))]
+    return keys, values, lengths, weights
+
+
+def targets(tables, b, seed, step, rank):
+    """A random target per feature in the shape the collection returns for batch `b`."""
+    g = torch.Generator().manual_seed(seed * 7 + step * 10 + rank)
+    keys, values, lengths, _ = b
+    out = {}
+    for t in tables:
+        for f in t.feature_names:
+            i = keys.index(f)
+            n = len(values[i]) if t.pooling == "none" else len(lengths[i])
+            out[f] = torch.randn(n, t.embedding_dim, dtype=F64, generator=g)
+    return out
+
+
+def loss_of(out, target):
+    return sum(((out[f] * target[f].to(out[f].device)).sum(-1) - 0.5).pow(2).sum()
+               for f in sorted(out))
+
+
+def like_one_process(rank, world, device, seed, names, weighted=False, grad_scale=1.0,
+                     cache_bytes=0):
+    """Every optimizer of `names`: 3 steps of the sharded collection equal to the reference
+    step for step (outputs, then the whole tables and state by gather_state_dict), an empty
+    batch on the last rank at step 1; the sharded one starts from the reference's state_dict
+    (whole tables: each rank keeps its rows)."""
+    tables = WEIGHTED if weighted else TABLES
+    for name in names:
+        cls, kwargs = OPTIMIZERS[name]
+        torch.manual_seed(seed)
+        ref = HostEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
+                                         device="cpu", dtype=F64)
+        sharded = ShardedEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
+                                                device=device, dtype=F64, grad_scale=grad_scale,
+                                                cache_bytes=cache_bytes)
+        sharded.load_state_dict(ref.state_dict())
+        for step in range(3):
+            batches = [batch(tables, seed, step, r, 2 + r, empty=step == 1 and r == world - 1,
+                             weighted=weighted) for r in range(world)]
+            goals = [targets(tables, b, seed, step, r) for r, b in enumerate(batches)]
+            out = sharded(kjt(batches[rank], device))
+            loss_of(out, goals[rank]).backward()
+            sharded.step()
+            ref_out = ref(kjt(concatenated(batches), "cpu"))
+            for f, o in out.items():  # this rank's rows of the reference's output
+                at = sum(len(goals[r][f]) for r in range(rank))
+                assert torch.allclose(o.detach().cpu(), ref_out[f][at:at + len(o)].detach(),
+                                      rtol=1e-10, atol=1e-12), (name, step, f, seed)
+            (loss_of(ref_out, {f: torch.cat([t[f] for t in goals]) for f in ref_out})
+             * grad_scale).backward()
+            ref.step()
+            assert_same_state(sharded, ref, (name, step, seed))
+
+
+def assert_same_state(sharded, ref, msg):
+    got, want = sharded.gather_state_dict(), ref.state_dict()
+    assert sorted(got) == sorted(want), (msg, sorted(got), sorted(want))
+    for key, value in want.items():
+        assert torch.allclose(got[key].cpu().to(value.dtype), value, rtol=1e-9, atol=1e-11), \
+            (msg, key)
+
+
+def bad_input_raises_everywhere(rank, world, device, seed):
+    """An id out of range on the last rank, then a missing feature on rank 0: every rank raises
+    (the bad rank naming the feature and the id), nothing is written, and the next good step
+    equals the reference."""
+    cls, kwargs = OPTIMIZERS["Adam"]
+    ref = HostEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
+                                     device="cpu", dtype=F64)
+    sharded = ShardedEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
+                                            device=device, dtype=F64)
+    sharded.load_state_dict(ref.state_dict())
+    before = sharded.gather_state_dict()
+    b = batch(TABLES, seed, 0, rank, 3)
+    if rank == world - 1:
+        b[1][1][0] = 37  # feature fa2 of table a (37 rows)
+        b[2][1][0] = max(int(b[2][1][0]), 1)
+    try:
+        sharded(kjt(b, device))
+    except RuntimeError as e:
+        msg = str(e)
+        if rank == world - 1:
+            assert "'fa2'" in msg and "37" in msg, msg
+        else:
+            assert f"rank(s) [{world - 1}]" in msg, msg
+    else:
+        raise AssertionError("no error")
+    keys, values, lengths, weights = batch(TABLES, seed, 0, rank, 3)
+    if rank == 0:
+        keys, values, lengths = keys[1:], values[1:], lengths[1:]
+    try:
+        sharded(kjt((keys, values, lengths, weights), device))
+    except (KeyError, RuntimeError) as e:
+        assert ("'fa'" in str(e)) if rank == 0 else "rank(s) [0]" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    after = sharded.gather_state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    batches = [batch(TABLES, seed, 1, r, 2) for r in range(world)]
+    goals = [targets(TABLES, b, seed, 1, r) for r, b in enumerate(batches)]
+    out = sharded(kjt(batches[rank], device))
+    loss_of(out, goals[rank]).backward()
+    sharded.step()
+    ref_out = ref(kjt(concatenated(batches), "cpu"))
+    loss_of(ref_out, {f: torch.cat([t[f] for t in goals]) for f in ref_out}).backward()
+    ref.step()
+    assert_same_state(sharded, ref, ("after the errors", seed))
+
+
+def captured_equals_eager(rank, world, device, seed):
+    """On GPUs (NCCL): the step captured whole by CapturedStep (collectives, caches that evict
+    every step, the fused Adam) trains bit for bit as the eager step on the same batches; a bad
+    id on one rank makes every rank raise before the replay, and the replays go on after it."""
+    from speedtorch_ops import CapturedStep
+    tables = [TableConfig("a", 4001, 32, pooling="sum"), TableConfig("b", 997, 32, pooling="none")]
+    kwargs = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},
+                  device=device, cache_bytes=200 * 32 * 4 * 3, bounds_check="prechecked")
+    eager = ShardedEmbeddingBagCollection(tables, **kwargs)
+    captured = ShardedEmbeddingBagCollection(tables, **kwargs)
+    captured.load_state_dict(eager.gather_state_dict())
+    stride, per_bag = 64 + 16 * rank, 3
+
+    def draw(step):
+        g = torch.Generator().manual_seed(seed * 100 + step * 10 + rank)
+        a = (torch.rand(stride * per_bag, generator=g) ** 3 * 4001).long()  # hot low ids
+        b = torch.randint(0, 997, (stride,), generator=g)
+        return a, b
+
+    def train(module, a, b):
+        values = torch.cat([a, b])
+        lengths = torch.cat([torch.full((stride,), per_bag, device=device),
+                             torch.ones(stride, dtype=torch.int64, device=device)])
+        out = module(KeyedJaggedTensor("a b".split(), values, lengths=lengths,
+                                       length_per_key=[len(a), len(b)]))
+        loss = (out["a"].pow(2).sum(1) - out["b"].sum(1)).pow(2).mean()
+        loss.backward()
+        module.step()
+        return loss.detach()
+
+    step = CapturedStep(lambda a, b: train(captured, a, b), rows=(4001, 997),
+                        group=captured.route_group)
+    for i in range(8):
+        a, b = draw(i)
+        want = train(eager, a.to(device), b.to(device))
+        got = step(a, b)
+        assert torch.equal(got, want), (i, float(got), float(want), seed)
+    a, b = draw(8)
+    if rank == world - 1:
+        a[5] = 4001
+    try:
+        step(a, b)
+    except RuntimeError as e:
+        assert ("4001" in str(e)) if rank == world - 1 else f"rank(s) [{world - 1}]" in str(e)
+    else:
+        raise AssertionError("no error")
+    for i in range(9, 11):
+        a, b = draw(i)
+        want = train(eager, a.to(device), b.to(device))
+        assert torch.equal(step(a, b), want), (i, seed)
+    got, want = captured.gather_state_dict(), eager.gather_state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), (key, seed)
+    stats = captured.cache_stats()["total"]
+    assert 0 < stats["hits"] < stats["lookups"], stats  # the cache served some, evicted others

@@ -1,0 +1,42 @@
+"""ShardedEmbeddingBagCollection on 1 to 4 processes against the single-process collection on the
+concatenated batches (collection_workers.py). gloo on the CPU here and in CI; the NCCL variants
+need two GPUs (the 2-GPU machine)."""
+
+import secrets
+
+import pytest
+
+import collection_workers as w
+from dist_launch import BACKENDS, run_ranks
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test; assertion messages print it so a failure can be replayed."""
+    return secrets.randbelow(2**20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_equals_one_process(backend, seed):
+    """Every fused optimizer and one of torch's own steps, on 1-4 ranks: sum, mean and no
+    pooling, two widths, a table read by two features, a table of 2 rows, an empty batch."""
+    for world in ([1, 2, 3, 4] if backend == "gloo" else [2]):
+        run_ranks(w.like_one_process, world, seed, sorted(w.OPTIMIZERS), backend=backend,
+                  timeout=300)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_and_grad_scale(backend, seed):
+    """Per-sample weights; grad_scale=1/2 equals the reference on the loss scaled by 1/2."""
+    run_ranks(w.like_one_process, 2, seed, ["Adam", "SGD-momentum"], True, 0.5, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_on_one_rank_raises_on_all(backend, seed):
+    run_ranks(w.bad_input_raises_everywhere, 3 if backend == "gloo" else 2, seed,
+              backend=backend)
+
+
+def test_captured_step_equals_eager(seed):
+    """NCCL on two GPUs only: CapturedStep needs CUDA graphs."""
+    run_ranks(w.captured_equals_eager, 2, seed, backend="nccl", timeout=300)
