@@ -62,6 +62,11 @@ def parse(argv=None):
                    help="collection: ShardedEmbeddingBagCollection, each step one CUDA graph "
                         "replay with the next batch's rows prefetched (eager on the CPU); "
                         "modules: ShardedHostEmbedding with --route, eager")
+    p.add_argument("--eager", action="store_true",
+                   help="collection: launch the steps op by op (no CUDA graph)")
+    p.add_argument("--profile", default=None,
+                   help="collection: write each rank's torch.profiler table of 20 steps to "
+                        "PROFILE-<world>-<rank>.txt")
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -158,7 +163,7 @@ class CollectionStep:
             g.reset_parameters(lambda w: w.normal_(0.0, bound))
         self.a, self.device = a, device
         self.captured = None
-        if gpu:
+        if gpu and not a.eager:
             self.captured = so.CapturedStep(self._train, rows=(a.vocab,) * 6, device=device,
                                             group=getattr(self.ebc, "route_group", None))
 
@@ -185,6 +190,8 @@ class CollectionStep:
     def step(self, batch, following):
         if self.captured is not None:
             return self.captured(*batch, *following)
+        if self.device.type == "cuda":
+            batch = [x.to(self.device) for x in (*batch, *following)]
         return self._train(*batch)
 
 
@@ -203,6 +210,16 @@ def measure_collection(a, data, device, world, sharded: bool) -> dict:
         step(a.warmup + i)
     sync()
     seconds = time.perf_counter() - start
+    if a.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(20):
+                step(i)
+            sync()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(f"{a.profile}-{world}-{rank}{'' if sharded else '-single'}.txt", "w") as f:
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                              max_name_column_width=70))
     stats = run.ebc.cache_stats()["total"]
     result = {"step_ms": seconds / a.steps * 1e3,
               "samples_per_s": world * a.batch * a.steps / seconds,
@@ -258,10 +275,10 @@ def run_rank(a, rank, world, local_rank):
     torch.manual_seed(rank)  # each rank initialises its own shard
     result = {"world": world, "device": str(device), "backend": backend}
     if "collection" in a.engine:
-        on_device = [tuple(x.to(device) for x in b) for b in data]  # a replay's inputs
-        result["collection"] = measure_collection(a, on_device, device, world, sharded=True)
+        # Host ids, as the one-GPU runs take them: checked on the host, one upload a step.
+        result["collection"] = measure_collection(a, data, device, world, sharded=True)
         if world == 1:  # the one-GPU configurations on the same batches
-            result["collection_single_process"] = measure_collection(a, on_device, device, 1,
+            result["collection_single_process"] = measure_collection(a, data, device, 1,
                                                                      sharded=False)
             if device.type == "cuda":
                 result["hostembedding_captured"] = measure_modules_captured(a, data, device)

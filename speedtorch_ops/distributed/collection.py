@@ -157,10 +157,15 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         if world == 1:
             return torch.arange(n, device=flat.device), flat
         owner = flat % world
-        # Each id's place among the ids of its owner: a running count per owner (no sort).
-        mine = owner.unsqueeze(1) == torch.arange(world, device=owner.device)
-        within = mine.cumsum(0).gather(1, owner.unsqueeze(1)).squeeze(1) - 1
-        index = owner * n + within
+        # Each id's place among the ids of its owner, by a running count over the flags "id p
+        # is owner o's" laid out owner by owner: one scan of a flat tensor (a scan along the
+        # first dim of an (n, world) one runs a thread a column, serially over n).
+        index = owner * n + torch.arange(n, device=flat.device)  # id p's flag
+        count = (torch.arange(world, device=flat.device).unsqueeze(1) == owner).view(-1) \
+            .cumsum(0)
+        ends = count[n - 1::n] if n else count.new_zeros(world)  # an owner's last flag's count
+        before = torch.cat([count.new_zeros(1), ends[:-1]])  # ids of the owners before
+        index = owner * n + count[index] - before[owner] - 1
         send = self._pads[g].repeat_interleave(n).index_copy_(0, index, flat // world)
         received = torch.empty(sum(sizes), dtype=torch.int64, device=self.comm_device)
         exchange(received, send.to(self.comm_device), sizes, [n] * world, self.group)

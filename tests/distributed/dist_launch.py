@@ -36,10 +36,10 @@ def _entry(rank, world, backend, store, fn, args):
         device, extra = torch.device("cpu"), {}
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60), **extra)
-    try:
-        fn(rank, world, device, *args)
-    finally:
-        dist.destroy_process_group()
+    # A rank that raised leaves without the collective teardown: its peers may be waiting in a
+    # collective it will never join, and a teardown waiting for them would hide its error.
+    fn(rank, world, device, *args)
+    dist.destroy_process_group()
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120.0) -> None:
