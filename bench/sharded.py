@@ -275,10 +275,10 @@ def run_rank(a, rank, world, local_rank):
     torch.manual_seed(rank)  # each rank initialises its own shard
     result = {"world": world, "device": str(device), "backend": backend}
     if "collection" in a.engine:
-        # Host ids, as the one-GPU runs take them: checked on the host, one upload a step.
-        result["collection"] = measure_collection(a, data, device, world, sharded=True)
+        on_device = [tuple(x.to(device) for x in b) for b in data]  # a replay's inputs
+        result["collection"] = measure_collection(a, on_device, device, world, sharded=True)
         if world == 1:  # the one-GPU configurations on the same batches
-            result["collection_single_process"] = measure_collection(a, data, device, 1,
+            result["collection_single_process"] = measure_collection(a, on_device, device, 1,
                                                                      sharded=False)
             if device.type == "cuda":
                 result["hostembedding_captured"] = measure_modules_captured(a, data, device)

@@ -110,19 +110,11 @@ def exchange(out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Seq
              group) -> Tensor:
     """`inp` (rows along dim 0, in_splits[r] of them for rank r) sent, `out` (out_splits[r]
     rows from rank r) filled and returned, with split sizes every rank knows already: the host
-    reads nothing back and a CUDA graph can hold it. On GPUs the rank's own part is a copy on
-    the current stream beside the collective (NCCL would move it through its few channels);
-    gloo takes one all_to_all_single (it has no list all_to_all)."""
-    if out.device.type != "cuda":
-        dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits),
-                               input_split_sizes=list(in_splits), group=group)
-        return out
-    me = dist.get_rank(group)
-    outs, ins = list(out.split(list(out_splits))), list(inp.split(list(in_splits)))
-    mine = outs[me], ins[me]
-    outs[me], ins[me] = out[:0], inp[:0]
-    dist.all_to_all(outs, ins, group=group)
-    mine[0].copy_(mine[1])
+    reads nothing back and a CUDA graph can hold it. One all_to_all_single: NCCL's list
+    all_to_all, with the rank's own part copied beside it, measured slower (docs/decisions.md,
+    "A sharded step of fixed shapes")."""
+    dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits),
+                           input_split_sizes=list(in_splits), group=group)
     return out
 
 

@@ -4,8 +4,10 @@ its traceback (the others are terminated); a run past `timeout` seconds (a hang)
 
 import datetime
 import os
+import sys
 import tempfile
 import time
+import traceback
 
 import pytest
 import torch
@@ -36,9 +38,14 @@ def _entry(rank, world, backend, store, fn, args):
         device, extra = torch.device("cpu"), {}
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60), **extra)
-    # A rank that raised leaves without the collective teardown: its peers may be waiting in a
-    # collective it will never join, and a teardown waiting for them would hide its error.
-    fn(rank, world, device, *args)
+    try:
+        fn(rank, world, device, *args)
+    except BaseException:
+        # Out at once, its traceback first: a teardown could wait for peers stuck in a
+        # collective this rank will never join, and hide the error behind a hang.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     dist.destroy_process_group()
 
 

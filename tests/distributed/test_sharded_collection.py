@@ -39,4 +39,4 @@ def test_bad_input_on_one_rank_raises_on_all(backend, seed):
 
 def test_captured_step_equals_eager(seed):
     """NCCL on two GPUs only: CapturedStep needs CUDA graphs."""
-    run_ranks(w.captured_equals_eager, 2, seed, backend="nccl", timeout=300)
+    run_ranks(w.captured_equals_eager, 2, seed, backend="nccl", timeout=90)
