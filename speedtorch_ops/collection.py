@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _eager, _lookup,
-                      _same_view)
+from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _compile_eagerly,
+                      _eager, _lookup, _same_view)
 from .training.cache import CachedRows
 from .training.placement import upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -162,6 +162,7 @@ class HostEmbeddingBagCollection(nn.Module):
         # holds a part of each), default all; _spare_rows: rows each group holds past its
         # tables' (a sharded group's padding row).
         super().__init__()
+        _compile_eagerly(type(self))
         tables = list(tables)
         if not tables or any(not isinstance(t, TableConfig) for t in tables):
             raise TypeError("tables must be a non-empty list of speedtorch_ops.TableConfig")

@@ -92,11 +92,32 @@ def _normal_init(weight: Tensor) -> None:
         weight.normal_()
 
 
+_EAGER = "_speedtorch_ops_eager"
+
+
 def _eager(fn):
-    """Run `fn` eagerly under torch.compile: what moves rows reads host state (ids, counts),
-    mutates views of one staging buffer and keeps Python state between calls, none of which
-    Dynamo can trace soundly."""
-    return torch.compiler.disable(fn, recursive=True)
+    """Mark method `fn` to run eagerly under torch.compile: what moves rows reads host state
+    (ids, counts), mutates views of one staging buffer and keeps Python state between calls,
+    none of which Dynamo can trace soundly. ``_compile_eagerly`` wraps it in
+    ``torch.compiler.disable`` when its class makes its first instance."""
+    setattr(fn, _EAGER, True)
+    return fn
+
+
+def _compile_eagerly(cls: type) -> None:
+    """Wrap the ``_eager`` methods of `cls` and its bases in ``torch.compiler.disable``, once:
+    at a class's first instance (which comes before anything can compile a call of it), not
+    at import, since ``torch.compiler.disable`` imports Dynamo, seconds of every process that
+    imports the package (spawned DataLoader workers too)."""
+    if cls.__dict__.get("_compile_eagerly_done"):
+        return
+    for klass in cls.__mro__:
+        for name, value in list(vars(klass).items()):
+            if getattr(value, _EAGER, None) is True:
+                wrapped = torch.compiler.disable(value, recursive=True)
+                setattr(wrapped, _EAGER, "wrapped")
+                setattr(klass, name, wrapped)
+    cls._compile_eagerly_done = True
 
 
 @dataclass
@@ -287,6 +308,7 @@ class _HostRowsModule(nn.Module):
                  bounds_check: str = "raise", stochastic_rounding: Optional[bool] = None,
                  _weight: Optional[Tensor] = None, _freeze: bool = False):
         super().__init__()
+        _compile_eagerly(type(self))
         check_bounds_mode(bounds_check)
         self.bounds_check = bounds_check
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):

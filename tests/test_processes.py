@@ -27,11 +27,18 @@ def run_program(tmp_path, source, *args, timeout=300):
 
 
 def test_import_does_not_initialise_cuda(tmp_path):
+    """Nor import Dynamo (seconds of every process, spawned DataLoader workers too): the modules
+    wrap their eager methods in torch.compiler.disable at their first instance."""
     out = run_program(tmp_path, """
+        import sys
         import torch
         import speedtorch_ops
-        import speedtorch_ops.io, speedtorch_ops.memory, speedtorch_ops.ops
+        import speedtorch_ops.distributed, speedtorch_ops.io, speedtorch_ops.memory
+        import speedtorch_ops.ops
         assert not torch.cuda.is_initialized()
+        assert "torch._dynamo" not in sys.modules
+        emb = speedtorch_ops.HostEmbedding(10, 4, device="cpu")
+        assert getattr(type(emb).forward, "_torchdynamo_disable", False)
         print("OK", speedtorch_ops.__file__)
     """)
     assert out.startswith("OK " + REPO)
