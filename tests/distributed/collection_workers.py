@@ -103,6 +103,10 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
                              weighted=weighted) for r in range(world)]
             goals = [targets(tables, b, seed, step, r) for r, b in enumerate(batches)]
             out = sharded(kjt(batches[rank], device))
+            if step == 0:  # the next batch's rows ahead: changes nothing but when rows load
+                nxt = batch(tables, seed, 1, rank, 2 + rank, empty=rank == world - 1,
+                            weighted=weighted)
+                sharded.prefetch(kjt(nxt, device))
             loss_of(out, goals[rank]).backward()
             sharded.step()
             ref_out = ref(kjt(concatenated(batches), "cpu"))
@@ -114,6 +118,17 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
              * grad_scale).backward()
             ref.step()
             assert_same_state(sharded, ref, (name, step, seed))
+        sharded.eval()  # a read: the reference's rows, nothing written, no step
+        ref.eval()
+        batches = [batch(tables, seed, 9, r, 2, weighted=weighted) for r in range(world)]
+        with torch.no_grad():
+            out, ref_out = sharded(kjt(batches[rank], device)), ref(kjt(concatenated(batches),
+                                                                           "cpu"))
+        goals = [targets(tables, b, seed, 9, r) for r, b in enumerate(batches)]
+        for f, o in out.items():
+            at = sum(len(goals[r][f]) for r in range(rank))
+            assert torch.equal(o.cpu(), ref_out[f][at:at + len(o)]), (name, "eval", f, seed)
+        assert_same_state(sharded, ref, (name, "after eval", seed))
 
 
 def assert_same_state(sharded, ref, msg):
