@@ -195,6 +195,16 @@ class CollectionStep:
         return self._train(*batch)
 
 
+def exchange_bytes(a, world, ebc) -> dict:
+    """Bytes a rank sends its peers a step (its own bucket stays local): a bucket a peer of n
+    slots (the step's ids), ids twice (the forward's and the prefetch's), rows once, their
+    gradients once; padding included, as the collectives move it."""
+    n = a.batch * (2 + a.negatives)
+    peers = world - 1
+    row = a.dim * ebc.groups[0].host.element_size()
+    return {"ids": 2 * peers * n * 8, "rows": peers * n * row, "grads": peers * n * row}
+
+
 def measure_collection(a, data, device, world, sharded: bool) -> dict:
     run = CollectionStep(a, device, sharded)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -205,11 +215,13 @@ def measure_collection(a, data, device, world, sharded: bool) -> dict:
     for i in range(a.warmup):
         step(i)
     sync()
+    host0 = run.ebc.cache_stats()["total"]["host_bytes"]
     start = time.perf_counter()
     for i in range(a.steps):
         step(a.warmup + i)
     sync()
     seconds = time.perf_counter() - start
+    host = (run.ebc.cache_stats()["total"]["host_bytes"] - host0) / a.steps
     if a.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -223,7 +235,8 @@ def measure_collection(a, data, device, world, sharded: bool) -> dict:
     stats = run.ebc.cache_stats()["total"]
     result = {"step_ms": seconds / a.steps * 1e3,
               "samples_per_s": world * a.batch * a.steps / seconds,
-              "hit_rate": stats["hit_rate"], "graph": run.captured is not None}
+              "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
+              "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
     if world > 1:  # every rank's step time: a slow rank makes its peers wait
         per_rank = [None] * world
         dist.all_gather_object(per_rank, result["step_ms"])
@@ -248,6 +261,7 @@ def measure_modules_captured(a, data, device) -> dict:
     for i in range(a.warmup):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
     torch.cuda.synchronize(device)
+    host0 = sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v))
     start = time.perf_counter()
     for i in range(a.steps):
         run.step(data[(a.warmup + i) % len(data)], data[(a.warmup + i + 1) % len(data)])
@@ -258,8 +272,10 @@ def measure_modules_captured(a, data, device) -> dict:
     del run
     gc.collect()
     torch.cuda.empty_cache()
+    host = (sum(s["host_bytes"] for s in stats) - host0) / a.steps
     return {"step_ms": seconds / a.steps * 1e3, "samples_per_s": a.batch * a.steps / seconds,
-            "hit_rate": hits / lookups if lookups else 0.0, "graph": True}
+            "hit_rate": hits / lookups if lookups else 0.0, "graph": True,
+            "bytes_per_step": {"host_link": host, "ids": 0, "rows": 0, "grads": 0}}
 
 
 def run_rank(a, rank, world, local_rank):
@@ -331,7 +347,8 @@ def report_collection(a, results):
     best = max(one, key=lambda x: x["samples_per_s"]) if one else None
     print(f"ShardedEmbeddingBagCollection: vocab {a.vocab:,} dim {a.dim}, {a.batch} centre "
           f"words x (2 + {a.negatives}) ids per rank per step, cache {a.cache_mb:g} MiB per rank")
-    print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  per rank ms")
+    print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  bytes a step, "
+          "per rank ms")
     for r in results:
         for key, name in (("collection", f"{r['world']} rank(s), sharded"),
                           ("collection_single_process", "1 GPU, single-process collection"),
@@ -341,8 +358,11 @@ def report_collection(a, results):
                 continue
             if best is not None:
                 x["speedup_vs_best_one_gpu"] = x["samples_per_s"] / best["samples_per_s"]
+            moved = x["bytes_per_step"]
             print(f"{name:<34}{x['samples_per_s']:>12,.0f}{x['step_ms']:>9.3f}"
-                  f"{x['hit_rate']:>9.3f}  {x.get('step_ms_per_rank', '')}"
+                  f"{x['hit_rate']:>9.3f}  host {moved['host_link'] / 1e6:.1f} MB, to peers "
+                  f"{(moved['ids'] + moved['rows'] + moved['grads']) / 1e6:.1f} MB  "
+                  f"{x.get('step_ms_per_rank', '')}"
                   + (f"  {x['speedup_vs_best_one_gpu']:.2f}x best one GPU"
                      if "speedup_vs_best_one_gpu" in x else ""))
 

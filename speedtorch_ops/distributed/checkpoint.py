@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import optim
+from .exchange import local_rows
 
 FORMAT = 1
 META = "meta.json"
@@ -35,11 +36,7 @@ def split_state(shard) -> tuple:
     """(where each per-row state_dict entry of the single-process module `shard` sits in its
     host table's rows: [name, part, start, stop], stop None for one column; the optimizer's
     scalars as state_dict entries)."""
-    places = []
-    for key, (part, cols) in shard.layout.at.items():
-        name = key if key == "weight" else f"optimizer.{key}"
-        places.append([name, part, cols.start, cols.stop] if isinstance(cols, slice)
-                      else [name, part, cols, None])
+    places = layout_places(shard)
     names = {place[0] for place in places}
     scalars = {k: v.clone() for k, v in shard.state_dict().items() if k not in names}
     return places, scalars
@@ -191,3 +188,109 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
     module.shard.load_state_dict(state)
     module.steps = meta["steps"]
     return module
+
+
+# ---- ShardedEmbeddingBagCollection ---------------------------------------------------------
+# Layout: meta.json (the tables, the world size) and one file per rank holding, per width group
+# of the collection, its rows of the group's tables (the tables one after the other, no
+# padding row), where each state_dict entry sits in a row, and the group's scalars.
+
+COLLECTION = "ShardedEmbeddingBagCollection"
+
+
+def _group_places(group) -> tuple:
+    """(places of the per-row entries in the group's rows, the group's scalars)."""
+    places = layout_places(group)
+    whole: dict = {}
+    group.save_rows(whole)
+    names = {place[0] for place in places}
+    return places, {k: v.clone() for k, v in whole.items() if k not in names}
+
+
+def layout_places(module) -> list:
+    """Where each per-row state_dict entry of `module` (a single-process module, or a
+    collection's group) sits in its host table's rows: [name, part, start, stop], stop None for
+    one column."""
+    places = []
+    for key, (part, cols) in module.layout.at.items():
+        name = key if key == "weight" else f"optimizer.{key}"
+        places.append([name, part, cols.start, cols.stop] if isinstance(cols, slice)
+                      else [name, part, cols, None])
+    return places
+
+
+def _tables_meta(ebc) -> list:
+    return [[t.name, t.num_embeddings, t.embedding_dim,
+             str(ebc.groups[ebc._group_of[k]].dtype).removeprefix("torch.")]
+            for k, t in enumerate(ebc.tables)]
+
+
+def save_collection(ebc, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    groups = []
+    for g, group in enumerate(ebc.groups):
+        group.flush()
+        held = group.num_embeddings - 1  # its tables' rows; the padding row stays out
+        places, scalars = _group_places(group)
+        groups.append({"rows": group.host[:held], "parts": places, "scalars": scalars})
+    path = shard_file(directory, ebc.rank, ebc.world)
+    torch.save({"groups": groups}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    if ebc.rank == 0:
+        meta = {"format": FORMAT, "kind": COLLECTION, "world_size": ebc.world,
+                "partition": "cyclic", "tables": _tables_meta(ebc)}
+        with open(os.path.join(directory, META + ".tmp"), "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+    dist.barrier(group=ebc.route_group)  # a load that follows sees every file
+
+
+def load_collection(ebc, directory: str) -> None:
+    """Each group's rows of this rank read from the files of a checkpoint saved at any world
+    size (memory-mapped: a rank reads the pages of its rows), checked before anything loads."""
+    path = os.path.join(directory, META)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"directory: no {META} in {directory!r}; is it a checkpoint "
+                                f"written by {COLLECTION}.save_shards?")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("kind") != COLLECTION:
+        raise ValueError(f"directory: {path} holds a {meta.get('kind')} checkpoint of format "
+                         f"{meta.get('format')}; this reads {COLLECTION}'s, format {FORMAT}")
+    if meta["tables"] != _tables_meta(ebc):
+        raise ValueError(f"directory: the checkpoint's tables [name, rows, dim, dtype] are "
+                         f"{meta['tables']}, this collection's {_tables_meta(ebc)}")
+    saved_world = meta["world_size"]
+    files = [_open_shard(directory, r, saved_world) for r in range(saved_world)]
+    loads = []
+    for g, group in enumerate(ebc.groups):
+        places, _ = _group_places(group)
+        saved = files[0]["groups"][g]
+        if _places(saved["parts"], saved["rows"].shape[2]) != places:
+            raise ValueError(f"directory: the checkpoint's rows hold "
+                             f"{[p[0] for p in _places(saved['parts'], saved['rows'].shape[2])]}"
+                             f", this optimizer keeps {[p[0] for p in places]} (settings such "
+                             "as amsgrad or momentum differ)")
+        mine = [k for k in range(len(ebc.tables)) if ebc._group_of[k] == g]
+        pieces = []
+        for k in mine:
+            ids = torch.arange(ebc.rank, ebc.tables[k].num_embeddings, ebc.world)
+            owner = ids % saved_world
+            rows = saved["rows"].new_empty((len(ids), *saved["rows"].shape[1:]))
+            for r in range(saved_world):
+                at = (owner == r).nonzero().flatten()
+                if len(at):
+                    start = sum(local_rows(ebc.tables[j].num_embeddings, r, saved_world)
+                                for j in mine[:mine.index(k)])
+                    rows[at] = files[r]["groups"][g]["rows"][start + ids[at] // saved_world]
+            pieces.append(rows)
+        held = group.num_embeddings - 1
+        pieces.append(group.host[held:].clone())  # this rank's padding row, as it is
+        state = row_views(torch.cat(pieces), saved["parts"])
+        state.update(saved["scalars"])
+        loads.append((group, state))
+    errors: list = []
+    for group, state in loads:
+        group.load_rows(state, [], [], errors)
+        if errors:  # not reached with tables and places checked above
+            raise RuntimeError(f"directory: {errors}")

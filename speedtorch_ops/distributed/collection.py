@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ..collection import HostEmbeddingBagCollection, TableConfig
 from ..modules import _eager, _lookup
+from . import checkpoint
 from .exchange import agree, backend_device, exchange, gather_cyclic, host_route_group, local_rows
 
 
@@ -262,6 +263,25 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                                       self.group, self.comm_device)
             out[key] = value
         return out
+
+    def save_shards(self, directory: str) -> None:
+        """Collective: each rank writes its rows of every table (weight and optimizer state)
+        and its groups' scalars to one file of `directory` (a folder every rank sees), rank 0 a
+        ``meta.json``; returns when every file is written. ``load_shards`` reads them at any
+        world size, without a rank ever holding more than its own rows."""
+        if self._pending:
+            raise RuntimeError(f"{type(self).__name__}.save_shards(): a forward awaits its "
+                               "step(); call step() first")
+        checkpoint.save_collection(self, directory)
+
+    def load_shards(self, directory: str) -> None:
+        """This rank's rows of every table, and the groups' scalars, from a checkpoint that
+        ``save_shards`` wrote at any world size (the same tables: names, rows, widths, dtypes;
+        the same optimizer's state). Everything is checked before anything loads."""
+        if self._pending:
+            raise RuntimeError(f"{type(self).__name__}.load_shards(): a forward awaits its "
+                               "step(); call step() first")
+        checkpoint.load_collection(self, directory)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:

@@ -66,3 +66,14 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120
                     p.join()
                 pytest.fail(f"{fn.__name__} on {world} {backend} ranks did not finish in "
                             f"{timeout:.0f} s (a hang)")
+
+
+def run_checkpoint_schedule(fn, seed, schedule, tmp_path, backend: str) -> tuple:
+    """fn(rank, world, device, seed, schedule, load_from, save_to, steps) in three runs: steps
+    0-1 at schedule[0] ranks saved to `first`; loaded at schedule[2] ranks for steps 2-3, saved
+    to `second`; loaded at schedule[4] ranks for step 4. Returns (first, second)."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    run_ranks(fn, schedule[0], seed, schedule, None, first, range(0, 2), backend=backend)
+    run_ranks(fn, schedule[2], seed, schedule, first, second, range(2, 4), backend=backend)
+    run_ranks(fn, schedule[4], seed, schedule, second, None, range(4, 5), backend=backend)
+    return first, second

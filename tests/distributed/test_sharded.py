@@ -7,7 +7,7 @@ import secrets
 import pytest
 
 import sharded_workers as w
-from dist_launch import BACKENDS, run_ranks
+from dist_launch import BACKENDS, run_checkpoint_schedule, run_ranks
 from speedtorch_ops.distributed import ShardedHostEmbedding
 
 
@@ -67,13 +67,7 @@ def test_checkpoint_at_other_world_sizes(backend, seed, tmp_path):
     """Save at 2, load at 3, continue, save, load at 1 (NCCL: 2 -> 1 -> 2), each step equal to
     the uninterrupted reference; the first checkpoint loads into the single-process module."""
     schedule = (2, 2, 3, 3, 1) if backend == "gloo" else (2, 2, 1, 1, 2)
-    first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    run_ranks(w.checkpoint_phase, schedule[0], seed, schedule, None, first, range(0, 2),
-              backend=backend)
-    run_ranks(w.checkpoint_phase, schedule[2], seed, schedule, first, second, range(2, 4),
-              backend=backend)
-    run_ranks(w.checkpoint_phase, schedule[4], seed, schedule, second, None, range(4, 5),
-              backend=backend)
+    first, _ = run_checkpoint_schedule(w.checkpoint_phase, seed, schedule, tmp_path, backend)
     w.load_into_single_process(first, seed, schedule, range(2, 4))
 
 

@@ -7,7 +7,7 @@ import secrets
 import pytest
 
 import collection_workers as w
-from dist_launch import BACKENDS, run_ranks
+from dist_launch import BACKENDS, run_checkpoint_schedule, run_ranks
 
 
 @pytest.fixture
@@ -43,3 +43,15 @@ def test_bad_input_on_one_rank_raises_on_all(backend, seed):
 def test_captured_step_equals_eager(seed):
     """NCCL on two GPUs only: CapturedStep needs CUDA graphs."""
     run_ranks(w.captured_equals_eager, 2, seed, backend="nccl", timeout=90)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_at_other_world_sizes(backend, seed, tmp_path):
+    """Save at 2 ranks, load at 3, train, save, load at 1 (NCCL: 2 -> 1 -> 2), every step equal
+    to the reference trained without a break."""
+    schedule = (2, 2, 3, 3, 1) if backend == "gloo" else (2, 2, 1, 1, 2)
+    run_checkpoint_schedule(w.checkpoint_phase, seed, schedule, tmp_path, backend)
+
+
+def test_bad_checkpoints_raise(tmp_path):
+    run_ranks(w.bad_checkpoints_raise, 2, str(tmp_path))
