@@ -37,7 +37,6 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .distributed.exchange import agree
 from .training.placement import upload_all
 from .training.plan import _INTEGER, Plan, host_ids, out_of_range
 
@@ -150,6 +149,7 @@ class CapturedStep:
                 host = self._checked(ids)
             except Exception as e:  # raised here, and on every other rank, by agree
                 error = e
+            from .distributed.exchange import agree  # only for sharded steps
             agree(self.group, error, [])
         self.calls += 1
         if self.calls <= self.warmup:

@@ -313,13 +313,14 @@ class HostEmbeddingBagCollection(nn.Module):
         offset = self._offset[table]
         return ids + offset if offset else ids
 
-    def _prepare(self, features) -> tuple:
+    def _prepare(self, features, pooling: bool = True) -> tuple:
         """A forward's input checked and laid out: (weights, lengths, stride, where each
-        feature's ids are, per group (features, flat group rows, starts))."""
+        feature's ids are, per group (features, flat group rows, starts)); `pooling`: check
+        what the pooling needs too (a prefetch only loads rows)."""
         values, weights, lengths, stride, at = self._layout(features)
         self._check(values, lengths, stride, at)
         for f in self.features:
-            if weights is not None and f.pooling == "mean":
+            if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
         return weights, lengths, stride, at, self._group_ids(values, at, self.device)
@@ -407,9 +408,7 @@ class HostEmbeddingBagCollection(nn.Module):
     @_eager
     def prefetch(self, features) -> None:
         """Start loading the rows of the next step's batch (see HostEmbedding.prefetch)."""
-        values, _, lengths, stride, at = self._layout(features)
-        self._check(values, lengths, stride, at)
-        self._prefetch(self._group_ids(values, at, self.device))
+        self._prefetch(self._prepare(features, pooling=False)[4])
 
     def _prefetch(self, grouped: list) -> None:
         for group, (feats, flat, _) in zip(self.groups, grouped):

@@ -1174,12 +1174,20 @@ class HostEmbeddingBag(_HostRowsModule):
         return cls._pretrained(embeddings, freeze, kwargs)
 
 
+def _shards_of(m: nn.Module) -> list:
+    """The single-process modules a sharded module keeps this rank's rows in (a sharded
+    table's ``shard``, a sharded collection's ``_shards``); none for other modules."""
+    shard = getattr(m, "shard", None)
+    if isinstance(shard, _HostRowsModule):
+        return [shard]
+    return list(getattr(m, "_shards", ()))
+
+
 def _tables(model: nn.Module) -> tuple:
     """(the modules of `model`, itself included, whose tables live in host memory; the sharded
     ones among those, each counted whole and its own shard left out)."""
-    sharded = [m for m in model.modules()
-               if isinstance(getattr(m, "shard", None), _HostRowsModule)]
-    shards = {id(m.shard) for m in sharded}
+    sharded = [m for m in model.modules() if _shards_of(m)]
+    shards = {id(s) for m in sharded for s in _shards_of(m)}
     single = [m for m in model.modules()
               if isinstance(m, _HostRowsModule) and id(m) not in shards]
     return single, sharded

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import optim
-from .exchange import local_rows
+from .exchange import agree, local_rows
 
 FORMAT = 1
 META = "meta.json"
@@ -226,28 +226,48 @@ def _tables_meta(ebc) -> list:
 
 
 def save_collection(ebc, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    groups = []
-    for g, group in enumerate(ebc.groups):
-        group.flush()
-        held = group.num_embeddings - 1  # its tables' rows; the padding row stays out
-        places, scalars = _group_places(group)
-        groups.append({"rows": group.host[:held], "parts": places, "scalars": scalars})
-    path = shard_file(directory, ebc.rank, ebc.world)
-    torch.save({"groups": groups}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
-    if ebc.rank == 0:
-        meta = {"format": FORMAT, "kind": COLLECTION, "world_size": ebc.world,
-                "partition": "cyclic", "tables": _tables_meta(ebc)}
-        with open(os.path.join(directory, META + ".tmp"), "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
-    dist.barrier(group=ebc.route_group)  # a load that follows sees every file
+    error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        groups = []
+        for g, group in enumerate(ebc.groups):
+            group.flush()
+            held = group.num_embeddings - 1  # its tables' rows; the padding row stays out
+            places, scalars = _group_places(group)
+            groups.append({"rows": group.host[:held], "parts": places, "scalars": scalars})
+        path = shard_file(directory, ebc.rank, ebc.world)
+        torch.save({"groups": groups}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a reader never sees half a file
+        if ebc.rank == 0:
+            meta = {"format": FORMAT, "kind": COLLECTION, "world_size": ebc.world,
+                    "partition": "cyclic", "tables": _tables_meta(ebc)}
+            with open(os.path.join(directory, META + ".tmp"), "w") as f:
+                json.dump(meta, f, indent=1)
+            os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+    except Exception as e:  # raised on every rank by agree, so none waits for it
+        error = e
+    agree(ebc.route_group, error, [])  # also: a load that follows sees every file
 
 
 def load_collection(ebc, directory: str) -> None:
     """Each group's rows of this rank read from the files of a checkpoint saved at any world
-    size (memory-mapped: a rank reads the pages of its rows), checked before anything loads."""
+    size (memory-mapped: a rank reads the pages of its rows), checked on every rank before
+    anything loads anywhere (a rank that cannot read its rows makes every rank raise)."""
+    loads, error = [], None
+    try:
+        loads = _collection_rows(ebc, directory)
+    except Exception as e:
+        error = e
+    agree(ebc.route_group, error, [])
+    errors: list = []
+    for group, state in loads:
+        group.load_rows(state, errors, errors, errors)  # none: tables and places match
+    if errors:
+        raise RuntimeError(f"directory: {errors}")
+
+
+def _collection_rows(ebc, directory: str) -> list:
+    """(group, its state_dict for this rank) of every group, from a checkpoint's files."""
     path = os.path.join(directory, META)
     if not os.path.exists(path):
         raise FileNotFoundError(f"directory: no {META} in {directory!r}; is it a checkpoint "
@@ -287,10 +307,9 @@ def load_collection(ebc, directory: str) -> None:
         held = group.num_embeddings - 1
         pieces.append(group.host[held:].clone())  # this rank's padding row, as it is
         state = row_views(torch.cat(pieces), saved["parts"])
-        state.update(saved["scalars"])
+        # The scalars (step counts, a 16-bit group's rounding seed): this rank's own at the
+        # same world size, so a resumed run draws as the unbroken one; else rank 0's.
+        own = files[ebc.rank] if saved_world == ebc.world else files[0]
+        state.update(own["groups"][g]["scalars"])
         loads.append((group, state))
-    errors: list = []
-    for group, state in loads:
-        group.load_rows(state, [], [], errors)
-        if errors:  # not reached with tables and places checked above
-            raise RuntimeError(f"directory: {errors}")
+    return loads

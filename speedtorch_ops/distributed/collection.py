@@ -119,7 +119,18 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self.register_buffer("_starts", self._starts_cpu.to(self.device), persistent=False)
         self.register_buffer("_pads", torch.from_numpy(pads).to(self.device), persistent=False)
         self._sizes: Optional[list] = None  # [rank][group] ids of the forward being routed
+        self._generation = 0  # forwards, steps and discards so far: a stale backward raises
         self._pending: Optional[list] = None  # per group: (served, received rows, sizes)
+
+    @property
+    def _shards(self) -> list:
+        """The modules this rank's rows live in (count_parameters and clip_grad_norm_ see the
+        collection as sharded through them)."""
+        return list(self.groups)
+
+    def num_parameters(self) -> int:
+        """The whole tables' weights (rows x dim, over every rank)."""
+        return sum(t.num_embeddings * t.embedding_dim for t in self.tables)
 
     # ---- a step --------------------------------------------------------------------------
 
@@ -129,16 +140,19 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         starts = self._starts if ids.device == self._starts.device else self._starts_cpu
         return (ids // self.world + starts[table].to(ids.device)[owner]) * self.world + owner
 
-    def _agreed(self, features) -> tuple:
-        """Collective: a forward's (or prefetch's) input prepared, every rank's ids per group
-        learnt, and every rank raising if any failed before the exchange."""
+    def _agreed(self, features, pooling: bool = True) -> tuple:
+        """Collective: a forward's (or, `pooling` False, a prefetch's) input prepared, every
+        rank's ids per group learnt, and every rank raising if any failed before the exchange."""
         prepared, error = None, None
         try:
-            prepared = self._prepare(features)
+            prepared = self._prepare(features, pooling)
         except Exception as e:  # any: a rank that raised alone would leave its peers waiting
             error = e
         sizes = [flat.numel() for _, flat, _ in prepared[4]] if prepared else \
             [0] * len(self.groups)
+        # Whether this forward trains: a rank that would skip step()'s exchanges while its
+        # peers join them must make every rank raise here instead.
+        sizes.append(int(self.training and torch.is_grad_enabled()))
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() \
                 and backend_device(self.route_group).type == "cuda":
             # A capture cannot read an NCCL exchange back: the sizes of the warm-up steps.
@@ -149,7 +163,12 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                                    "takes the sizes of the eager steps before it; run them with "
                                    "the captured shapes, or pass a gloo route_group")
             return prepared, self._sizes
-        return prepared, agree(self.route_group, error, sizes)
+        agreed = agree(self.route_group, error, sizes)
+        if len({row[-1] for row in agreed}) > 1:
+            raise RuntimeError(f"{type(self).__name__}: ranks {[row[-1] for row in agreed]} "
+                               "(1: training with grad enabled) disagree; every rank must "
+                               "train, or every rank read, in the same forward. Nothing moved.")
+        return prepared, agreed
 
     def _route(self, g: int, flat: Tensor, sizes: list) -> tuple:
         """(where each id of `flat` sits in the buckets sent, the ids this rank's owners serve)
@@ -174,10 +193,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     @_eager
     def forward(self, features) -> dict:
-        self._pending = None  # a forward without its step: the groups drop its rows
-        prepared, sizes = self._agreed(features)
+        prepared, sizes = self._agreed(features)  # raises before anything changes
         self._sizes = sizes
-        self._pending = []
+        self._pending = []  # a forward without its step before: the groups drop its rows
+        self._generation += 1  # that forward's outputs can no longer take a backward
         return self._forward(*prepared)
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
@@ -200,6 +219,16 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             rows = rows.to(self.device)
         if group._staged is not None:  # a training forward: step() sends the gradients back
             rows.requires_grad_()
+            generation = self._generation
+
+            def current(grad: Tensor) -> Tensor:
+                if self._generation != generation:
+                    raise RuntimeError(
+                        f"backward of a {type(self).__name__} output whose step is over: a "
+                        "later forward, step() or discard() came before this backward; a "
+                        "step is forward, backward, then step()")
+                return grad
+            rows.register_hook(current)
             self._pending.append((g, served, rows, sizes))
 
         def pick(lo: int, hi: int, sizes: list) -> tuple:
@@ -215,6 +244,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             raise RuntimeError(f"{type(self).__name__}.step(): no forward (in training mode, "
                                "with grad enabled) since the last step")
         pending, self._pending = self._pending, None
+        self._generation += 1
         for g, served, rows, sizes in pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
             if self.world > 1:
@@ -232,13 +262,14 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
     def prefetch(self, features) -> None:
         """Collective: start loading the rows of the next step's batch on their owners (see
         HostEmbedding.prefetch); one exchange of ids per group."""
-        prepared, sizes = self._agreed(features)
+        prepared, sizes = self._agreed(features, pooling=False)
         for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared[4])):
             group.prefetch(self._route(g, flat, [row[g] for row in sizes])[1])
 
     @_eager
     def discard(self) -> None:
         self._pending = None
+        self._generation += 1
         super().discard()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -6,7 +6,7 @@ draws every rank's batch from (seed, step, rank), so each runs the reference its
 import torch
 
 from speedtorch_ops import (HostEmbeddingBagCollection, KeyedJaggedTensor, PartialRowWiseAdam,
-                            RowWiseAdagrad, TableConfig)
+                            RowWiseAdagrad, TableConfig, clip_grad_norm_, count_parameters)
 from speedtorch_ops.distributed import ShardedEmbeddingBagCollection
 
 F64 = torch.float64
@@ -177,9 +177,35 @@ def bad_input_raises_everywhere(rank, world, device, seed):
         assert ("'fa'" in str(e)) if rank == 0 else "rank(s) [0]" in str(e), str(e)
     else:
         raise AssertionError("no error")
+    if rank == 0:  # a read on one rank while the others train: every rank raises
+        sharded.eval()
+    try:
+        sharded(kjt(batch(TABLES, seed, 0, rank, 3), device))
+    except RuntimeError as e:
+        assert "disagree" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    sharded.train()
     after = sharded.gather_state_dict()
     for key, value in before.items():
         assert torch.equal(after[key], value), key
+    # A backward of an output whose step is over raises (nothing else notices it).
+    stale = sharded(kjt(batch(TABLES, seed, 5, rank, 2), device))
+    sharded.discard()
+    try:
+        loss_of(stale, targets(TABLES, batch(TABLES, seed, 5, rank, 2), seed, 5, rank)).backward()
+    except RuntimeError as e:
+        assert "whose step is over" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+    # The tables count whole; clipping cannot see gradients that reach the owners in step().
+    assert count_parameters(sharded) == sum(t.num_embeddings * t.embedding_dim for t in TABLES)
+    try:
+        clip_grad_norm_(sharded, 1.0)
+    except ValueError as e:
+        assert "sharded" in str(e), str(e)
+    else:
+        raise AssertionError("no error")
     batches = [batch(TABLES, seed, 1, r, 2) for r in range(world)]
     goals = [targets(TABLES, b, seed, 1, r) for r, b in enumerate(batches)]
     out = sharded(kjt(batches[rank], device))
