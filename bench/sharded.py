@@ -205,6 +205,21 @@ def exchange_bytes(a, world, ebc) -> dict:
     return {"ids": 2 * peers * n * 8, "rows": peers * n * row, "grads": peers * n * row}
 
 
+def timed_steps(a, data, run, host_bytes, sync) -> tuple:
+    """(seconds of a.steps steps of `run` after a.warmup, the host-link bytes a step);
+    `host_bytes()`: the run's bytes over the link so far."""
+    for i in range(a.warmup):
+        run.step(data[i % len(data)], data[(i + 1) % len(data)])
+    sync()
+    host0 = host_bytes()
+    start = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        run.step(data[i % len(data)], data[(i + 1) % len(data)])
+    sync()
+    seconds = time.perf_counter() - start
+    return seconds, (host_bytes() - host0) / a.steps
+
+
 def measure_collection(a, data, device, world, sharded: bool) -> dict:
     run = CollectionStep(a, device, sharded)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -212,16 +227,8 @@ def measure_collection(a, data, device, world, sharded: bool) -> dict:
     def step(i):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
 
-    for i in range(a.warmup):
-        step(i)
-    sync()
-    host0 = run.ebc.cache_stats()["total"]["host_bytes"]
-    start = time.perf_counter()
-    for i in range(a.steps):
-        step(a.warmup + i)
-    sync()
-    seconds = time.perf_counter() - start
-    host = (run.ebc.cache_stats()["total"]["host_bytes"] - host0) / a.steps
+    seconds, host = timed_steps(a, data, run,
+                                lambda: run.ebc.cache_stats()["total"]["host_bytes"], sync)
     if a.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -258,21 +265,14 @@ def measure_modules_captured(a, data, device) -> dict:
         optimizer="adam", lr=a.lr, fused=None, cache_mb=a.cache_mb, dim=a.dim, vocab=a.vocab,
         negatives=a.negatives, graph="on", prefetch="on", dtype="float32", rounding=None),
         device)
-    for i in range(a.warmup):
-        run.step(data[i % len(data)], data[(i + 1) % len(data)])
-    torch.cuda.synchronize(device)
-    host0 = sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v))
-    start = time.perf_counter()
-    for i in range(a.steps):
-        run.step(data[(a.warmup + i) % len(data)], data[(a.warmup + i + 1) % len(data)])
-    torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds, host = timed_steps(
+        a, data, run, lambda: sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v)),
+        lambda: torch.cuda.synchronize(device))
     stats = [emb.cache_stats() for emb in (run.u, run.v)]
     hits, lookups = sum(s["hits"] for s in stats), sum(s["lookups"] for s in stats)
     del run
     gc.collect()
     torch.cuda.empty_cache()
-    host = (sum(s["host_bytes"] for s in stats) - host0) / a.steps
     return {"step_ms": seconds / a.steps * 1e3, "samples_per_s": a.batch * a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0, "graph": True,
             "bytes_per_step": {"host_link": host, "ids": 0, "rows": 0, "grads": 0}}

@@ -32,14 +32,27 @@ def shard_file(directory: str, rank: int, world: int) -> str:
     return os.path.join(directory, f"shard-{rank:05d}-of-{world:05d}.pt")
 
 
-def split_state(shard) -> tuple:
+def split_state(shard, state: Optional[dict] = None) -> tuple:
     """(where each per-row state_dict entry of the single-process module `shard` sits in its
     host table's rows: [name, part, start, stop], stop None for one column; the optimizer's
-    scalars as state_dict entries)."""
+    scalars as state_dict entries). `state`: the module's state_dict entries, when its
+    ``state_dict()`` does not hold them (a collection's group)."""
     places = layout_places(shard)
     names = {place[0] for place in places}
-    scalars = {k: v.clone() for k, v in shard.state_dict().items() if k not in names}
+    state = shard.state_dict() if state is None else state
+    scalars = {k: v.clone() for k, v in state.items() if k not in names}
     return places, scalars
+
+
+def _save_atomically(payload, path: str) -> None:
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+
+def _write_meta(directory: str, meta: dict) -> None:
+    with open(os.path.join(directory, META + ".tmp"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
 
 
 def _places(parts, width: int) -> list:
@@ -78,9 +91,7 @@ def save(module, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     places, scalars = split_state(module.shard)
     payload = {"rows": module._local_table(), "parts": places, "scalars": scalars}
-    path = shard_file(directory, module.rank, module.world)
-    torch.save(payload, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a reader never sees half a file
+    _save_atomically(payload, shard_file(directory, module.rank, module.world))
     if module.rank == 0:
         meta = {"format": FORMAT, "kind": type(module).__name__,
                 "num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim,
@@ -90,9 +101,7 @@ def save(module, directory: str) -> None:
                 "optimizer_kwargs": _json_settings(module.optimizer.param_groups[0])}
         if hasattr(module, "mode"):
             meta["mode"] = module.mode
-        with open(os.path.join(directory, META + ".tmp"), "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+        _write_meta(directory, meta)
     dist.barrier(group=module.route_group)  # a load that follows sees every file
 
 
@@ -200,11 +209,9 @@ COLLECTION = "ShardedEmbeddingBagCollection"
 
 def _group_places(group) -> tuple:
     """(places of the per-row entries in the group's rows, the group's scalars)."""
-    places = layout_places(group)
     whole: dict = {}
     group.save_rows(whole)
-    names = {place[0] for place in places}
-    return places, {k: v.clone() for k, v in whole.items() if k not in names}
+    return split_state(group, whole)
 
 
 def layout_places(module) -> list:
@@ -235,15 +242,11 @@ def save_collection(ebc, directory: str) -> None:
             held = group.num_embeddings - 1  # its tables' rows; the padding row stays out
             places, scalars = _group_places(group)
             groups.append({"rows": group.host[:held], "parts": places, "scalars": scalars})
-        path = shard_file(directory, ebc.rank, ebc.world)
-        torch.save({"groups": groups}, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a reader never sees half a file
+        _save_atomically({"groups": groups}, shard_file(directory, ebc.rank, ebc.world))
         if ebc.rank == 0:
-            meta = {"format": FORMAT, "kind": COLLECTION, "world_size": ebc.world,
-                    "partition": "cyclic", "tables": _tables_meta(ebc)}
-            with open(os.path.join(directory, META + ".tmp"), "w") as f:
-                json.dump(meta, f, indent=1)
-            os.replace(os.path.join(directory, META + ".tmp"), os.path.join(directory, META))
+            _write_meta(directory, {"format": FORMAT, "kind": COLLECTION,
+                                    "world_size": ebc.world, "partition": "cyclic",
+                                    "tables": _tables_meta(ebc)})
     except Exception as e:  # raised on every rank by agree, so none waits for it
         error = e
     agree(ebc.route_group, error, [])  # also: a load that follows sees every file
@@ -284,25 +287,26 @@ def _collection_rows(ebc, directory: str) -> list:
     files = [_open_shard(directory, r, saved_world) for r in range(saved_world)]
     loads = []
     for g, group in enumerate(ebc.groups):
-        places, _ = _group_places(group)
+        places = layout_places(group)
         saved = files[0]["groups"][g]
-        if _places(saved["parts"], saved["rows"].shape[2]) != places:
+        saved_places = _places(saved["parts"], saved["rows"].shape[2])
+        if saved_places != places:
             raise ValueError(f"directory: the checkpoint's rows hold "
-                             f"{[p[0] for p in _places(saved['parts'], saved['rows'].shape[2])]}"
-                             f", this optimizer keeps {[p[0] for p in places]} (settings such "
-                             "as amsgrad or momentum differ)")
-        mine = [k for k in range(len(ebc.tables)) if ebc._group_of[k] == g]
+                             f"{[p[0] for p in saved_places]}, this optimizer keeps "
+                             f"{[p[0] for p in places]} (settings such as amsgrad or momentum "
+                             "differ)")
         pieces = []
-        for k in mine:
-            ids = torch.arange(ebc.rank, ebc.tables[k].num_embeddings, ebc.world)
+        starts = [0] * saved_world  # where the table's rows begin in each saved rank's group
+        for k in (k for k in range(len(ebc.tables)) if ebc._group_of[k] == g):
+            rows_k = ebc.tables[k].num_embeddings
+            ids = torch.arange(ebc.rank, rows_k, ebc.world)
             owner = ids % saved_world
             rows = saved["rows"].new_empty((len(ids), *saved["rows"].shape[1:]))
             for r in range(saved_world):
                 at = (owner == r).nonzero().flatten()
                 if len(at):
-                    start = sum(local_rows(ebc.tables[j].num_embeddings, r, saved_world)
-                                for j in mine[:mine.index(k)])
-                    rows[at] = files[r]["groups"][g]["rows"][start + ids[at] // saved_world]
+                    rows[at] = files[r]["groups"][g]["rows"][starts[r] + ids[at] // saved_world]
+                starts[r] += local_rows(rows_k, r, saved_world)
             pieces.append(rows)
         held = group.num_embeddings - 1
         pieces.append(group.host[held:].clone())  # this rank's padding row, as it is

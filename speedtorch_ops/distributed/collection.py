@@ -180,12 +180,12 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         # Each id's place among the ids of its owner, by a running count over the flags "id p
         # is owner o's" laid out owner by owner: one scan of a flat tensor (a scan along the
         # first dim of an (n, world) one runs a thread a column, serially over n).
-        index = owner * n + torch.arange(n, device=flat.device)  # id p's flag
+        flag = owner * n + torch.arange(n, device=flat.device)  # id p's flag
         count = (torch.arange(world, device=flat.device).unsqueeze(1) == owner).view(-1) \
             .cumsum(0)
         ends = count[n - 1::n] if n else count.new_zeros(world)  # an owner's last flag's count
         before = torch.cat([count.new_zeros(1), ends[:-1]])  # ids of the owners before
-        index = owner * n + count[index] - before[owner] - 1
+        index = owner * n + count[flag] - before[owner] - 1
         send = self._pads[g].repeat_interleave(n).index_copy_(0, index, flat // world)
         received = torch.empty(sum(sizes), dtype=torch.int64, device=self.comm_device)
         exchange(received, send.to(self.comm_device), sizes, [n] * world, self.group)
@@ -211,7 +211,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         served = _lookup(group._lookup_rows(d.inverse), d, [served_ids.numel()],
                          **group._lookup_source())[0]
         if self.world == 1:
-            rows = served.detach().clone()
+            rows = served.detach()  # a leaf of its own: step() hands its gradient to served
         else:
             rows = served.new_empty((self.world * n, served.shape[1]), device=self.comm_device)
             exchange(rows, served.detach().to(self.comm_device), [n] * self.world, sizes,

@@ -113,8 +113,7 @@ def exchange(out: Tensor, inp: Tensor, out_splits: Sequence[int], in_splits: Seq
     reads nothing back and a CUDA graph can hold it. One all_to_all_single: NCCL's list
     all_to_all, with the rank's own part copied beside it, measured slower (docs/decisions.md,
     "A sharded step of fixed shapes")."""
-    dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits),
-                           input_split_sizes=list(in_splits), group=group)
+    _all_to_all(out, inp, list(out_splits), list(in_splits), group)
     return out
 
 
