@@ -62,6 +62,9 @@ def parse(argv=None):
                    help="collection: ShardedEmbeddingBagCollection, each step one CUDA graph "
                         "replay with the next batch's rows prefetched (eager on the CPU); "
                         "modules: ShardedHostEmbedding with --route, eager")
+    p.add_argument("--exchange", nargs="+", choices=["auto", "collective", "peer"],
+                   default=["auto"], help="the sharded collection's exchanges, each measured "
+                   "(at 2+ ranks)")
     p.add_argument("--eager", action="store_true",
                    help="collection: launch the steps op by op (no CUDA graph)")
     p.add_argument("--profile", default=None,
@@ -147,7 +150,7 @@ class CollectionStep:
     `sharded` False, the single-process one. On a GPU each step is one CUDA graph replay that
     also prefetches the next batch's rows."""
 
-    def __init__(self, a, device, sharded: bool):
+    def __init__(self, a, device, sharded: bool, exchange: str = "auto"):
         tables = [so.TableConfig("u", a.vocab, a.dim, pooling="none", feature_names=["centre"]),
                   so.TableConfig("v", a.vocab, a.dim, pooling="none", feature_names=["context"])]
         gpu = device.type == "cuda"
@@ -155,9 +158,11 @@ class CollectionStep:
                       optimizer_kwargs={"lr": a.lr, "capturable": gpu}, device=device,
                       cache_bytes=int(a.cache_mb * 2**20) if gpu else 0,
                       bounds_check="prechecked" if gpu else "raise")
-        cls = so.distributed.ShardedEmbeddingBagCollection if sharded else \
-            so.HostEmbeddingBagCollection
-        self.ebc = cls(tables, **kwargs)
+        if sharded:
+            self.ebc = so.distributed.ShardedEmbeddingBagCollection(tables, exchange=exchange,
+                                                                    **kwargs)
+        else:
+            self.ebc = so.HostEmbeddingBagCollection(tables, **kwargs)
         bound = 0.5 / a.dim
         for g in self.ebc.groups:  # both tables in one group: u's rows, then v's
             g.reset_parameters(lambda w: w.normal_(0.0, bound))
@@ -196,13 +201,16 @@ class CollectionStep:
 
 
 def exchange_bytes(a, world, ebc) -> dict:
-    """Bytes a rank sends its peers a step (its own bucket stays local): a bucket a peer of n
-    slots (the step's ids), ids twice (the forward's and the prefetch's), rows once, their
-    gradients once; padding included, as the collectives move it."""
+    """Bytes a rank's step moves to or from its peers (its own bucket stays local): ids twice
+    (the forward's and the prefetch's), in buckets of n slots a peer (the step's ids), padding
+    included; rows once and their gradients once: whole buckets by the collectives, by the peer
+    exchange only the rows of ids its peers own (counted as (world - 1) / world of the n ids,
+    the share of ids a uniform owner takes: the ids are cyclic by row)."""
     n = a.batch * (2 + a.negatives)
     peers = world - 1
     row = a.dim * ebc.groups[0].host.element_size()
-    return {"ids": 2 * peers * n * 8, "rows": peers * n * row, "grads": peers * n * row}
+    rows = peers * n * row if getattr(ebc, "_peer", None) is None else n * peers // world * row
+    return {"ids": 2 * peers * n * 8, "rows": rows, "grads": rows}
 
 
 def timed_steps(a, data, run, host_bytes, sync) -> tuple:
@@ -220,8 +228,8 @@ def timed_steps(a, data, run, host_bytes, sync) -> tuple:
     return seconds, (host_bytes() - host0) / a.steps
 
 
-def measure_collection(a, data, device, world, sharded: bool) -> dict:
-    run = CollectionStep(a, device, sharded)
+def measure_collection(a, data, device, world, sharded: bool, exchange: str = "auto") -> dict:
+    run = CollectionStep(a, device, sharded, exchange)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def step(i):
@@ -236,13 +244,17 @@ def measure_collection(a, data, device, world, sharded: bool) -> dict:
                 step(i)
             sync()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        with open(f"{a.profile}-{world}-{rank}{'' if sharded else '-single'}.txt", "w") as f:
+        name = f"{world}-{rank}-{'peer' if run.ebc._peer is not None else 'collective'}" if sharded else \
+            f"{world}-{rank}-single"
+        with open(f"{a.profile}-{name}.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
                                               max_name_column_width=70))
     stats = run.ebc.cache_stats()["total"]
     result = {"step_ms": seconds / a.steps * 1e3,
               "samples_per_s": world * a.batch * a.steps / seconds,
               "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
+              "exchange": "peer" if getattr(run.ebc, "_peer", None) is not None else
+              "collective",
               "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
     if world > 1:  # every rank's step time: a slow rank makes its peers wait
         per_rank = [None] * world
@@ -292,7 +304,10 @@ def run_rank(a, rank, world, local_rank):
     result = {"world": world, "device": str(device), "backend": backend}
     if "collection" in a.engine:
         on_device = [tuple(x.to(device) for x in b) for b in data]  # a replay's inputs
-        result["collection"] = measure_collection(a, on_device, device, world, sharded=True)
+        for x in a.exchange if world > 1 else a.exchange[:1]:
+            result[f"collection_{x}"] = measure_collection(a, on_device, device, world,
+                                                          sharded=True, exchange=x)
+        result["collection"] = result.pop(f"collection_{a.exchange[0]}")
         if world == 1:  # the one-GPU configurations on the same batches
             result["collection_single_process"] = measure_collection(a, on_device, device, 1,
                                                                      sharded=False)
@@ -350,7 +365,11 @@ def report_collection(a, results):
     print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  bytes a step, "
           "per rank ms")
     for r in results:
-        for key, name in (("collection", f"{r['world']} rank(s), sharded"),
+        extra = [(k, f"{r['world']} rank(s), sharded, {r[k]['exchange']}") for k in r
+                 if k.startswith("collection_") and k != "collection_single_process"]
+        for key, name in (("collection", f"{r['world']} rank(s), sharded"
+                           + (f", {r['collection']['exchange']}" if r["world"] > 1 else "")),
+                          *extra,
                           ("collection_single_process", "1 GPU, single-process collection"),
                           ("hostembedding_captured", "1 GPU, 2 HostEmbeddings (demo)")):
             x = r.get(key)

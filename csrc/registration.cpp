@@ -72,6 +72,13 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // of rows), cache row at[index[p]] where that is a slot (0 <= at < slots): a step's lookup
   // that reads its cached rows where they live. index in [0, n) (trusted on a GPU, like at).
   m.def("_gather_staged(Tensor rows, Tensor index, Tensor? cache=None, Tensor? at=None) -> Tensor");
+  // out (len(row_of), dim) of dtype on row_of's device: out[i] = the row row_of[i] of the
+  // (., dim) contiguous rows of dtype that start `offset` bytes past address ptrs[rank_of[i]]
+  // (a group's buffers, each rank's read in place: torch's symmetric memory on GPUs, host
+  // memory on the CPU; 16-byte aligned), zeros where row_of[i] < 0. The addresses and rows are
+  // trusted (rank_of is checked on the CPU only): the sharded step's row exchange over NVLink.
+  m.def("_peer_rows(Tensor ptrs, int offset, Tensor rank_of, Tensor row_of, int dim, "
+        "ScalarType dtype) -> Tensor");
   // (order, count): the positions of the true flags ascending, then the others descending;
   // count (one int64) how many are true.
   m.def("_partition(Tensor flags) -> (Tensor, Tensor)");

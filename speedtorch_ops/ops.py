@@ -173,6 +173,16 @@ def _gather_staged(rows: Tensor, index: Tensor, cache: Optional[Tensor] = None,
     return _ops._gather_staged.default(rows, index, cache, at)
 
 
+def _peer_rows(ptrs: Tensor, offset: int, rank_of: Tensor, row_of: Tensor, dim: int,
+               dtype: torch.dtype) -> Tensor:
+    """(len(row_of), dim) of `dtype`: row ``row_of[i]`` of the contiguous (., dim) rows that
+    start `offset` bytes past address ``ptrs[rank_of[i]]``, zeros where ``row_of[i] < 0``. The
+    addresses are a group's buffers read in place (torch symmetric memory on GPUs; host memory
+    on the CPU), 16-byte aligned and trusted, like the rows: the sharded step's exchange of
+    rows over NVLink, which reads only the rows it needs."""
+    return _ops._peer_rows.default(ptrs, offset, rank_of, row_of, dim, dtype)
+
+
 def _partition(flags: Tensor):
     """(order, count) of ``flags`` (1-D bool): the positions of the true flags ascending, then
     the others descending; ``count`` (one int64) how many are true."""
@@ -382,6 +392,15 @@ def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = T
     torch._check(sum(g.shape[0] for g in grads) == perm.shape[0],
                  lambda: "grads must have one row a position of perm")
     return grads[0].new_empty((rows, grads[0].shape[1]))
+
+
+@torch.library.register_fake("speedtorch_ops::_peer_rows")
+def _peer_rows_fake(ptrs, offset, rank_of, row_of, dim, dtype):
+    torch._check(rank_of.dim() == 1 and row_of.dim() == 1 and ptrs.dim() == 1,
+                 lambda: "ptrs, rank_of and row_of are 1-D")
+    torch._check(rank_of.shape[0] == row_of.shape[0],
+                 lambda: "rank_of and row_of have one entry a row each")
+    return row_of.new_empty((row_of.shape[0], dim), dtype=dtype)
 
 
 @torch.library.register_fake("speedtorch_ops::_gather_staged")

@@ -239,7 +239,7 @@ def save_collection(ebc, directory: str) -> None:
         groups = []
         for g, group in enumerate(ebc.groups):
             group.flush()
-            held = group.num_embeddings - 1  # its tables' rows; the padding row stays out
+            held = group.num_embeddings - ebc.padding_rows  # its tables' rows, not the padding
             places, scalars = _group_places(group)
             groups.append({"rows": group.host[:held], "parts": places, "scalars": scalars})
         _save_atomically({"groups": groups}, shard_file(directory, ebc.rank, ebc.world))
@@ -308,8 +308,8 @@ def _collection_rows(ebc, directory: str) -> list:
                     rows[at] = files[r]["groups"][g]["rows"][starts[r] + ids[at] // saved_world]
                 starts[r] += local_rows(rows_k, r, saved_world)
             pieces.append(rows)
-        held = group.num_embeddings - 1
-        pieces.append(group.host[held:].clone())  # this rank's padding row, as it is
+        held = group.num_embeddings - ebc.padding_rows
+        pieces.append(group.host[held:].clone())  # this rank's padding rows, as they are
         state = row_views(torch.cat(pieces), saved["parts"])
         # The scalars (step counts, a 16-bit group's rounding seed): this rank's own at the
         # same world size, so a resumed run draws as the unbroken one; else rank 0's.

@@ -11,18 +11,20 @@ collectives included):
 Row ``id`` of a table lives on rank ``id % world`` (cyclic: a vocabulary sorted by frequency
 spreads its hot rows over every rank); each rank holds its rows of every table in the
 single-process collection's groups (one ``HostEmbedding`` per width and dtype: its pinned host
-table and its own GPU row cache), plus one padding row per group.
+table and its own GPU row cache), plus padding rows per group.
 
-Each phase is one ``all_to_all_single`` per group whose split sizes every rank knows without
-reading anything back from a GPU: a rank sends every owner a bucket as long as its step's ids of
-that group (its own positions for that owner first, the owner's padding row after them), so the
-sizes follow from the batches' shapes alone. The ranks learn each other's sizes and whether any
-rank failed its checks in one small host exchange (on a gloo group) per forward; a captured step
-does that once, at its capture. Owners serve every slot of the buckets with their group's
-forward (a padding slot reads the padding row, whose gradient is zero), so the exchange of rows
-back, and of gradients to the owners in ``step()``, reuse the same sizes. NVLink makes the
-padding cheap next to a second exchange to learn the counts: see docs/decisions.md, "A sharded
-step of fixed shapes".
+Each phase moves buckets whose sizes every rank knows without reading anything back from a
+GPU: a rank fills for every owner a bucket as long as its step's ids of that group (its own
+positions for that owner first, the owner's padding rows after them), so the sizes follow from
+the batches' shapes alone. ``exchange="peer"`` (GPUs of one host) keeps the buckets in torch
+symmetric memory, and each rank reads in place over NVLink the rows its ids need (no padding
+crosses the link); ``"collective"`` sends whole buckets, one ``all_to_all_single`` per group
+and phase. The ranks learn each other's sizes and whether any rank failed its checks in one
+small host exchange (on a gloo group) per forward; a captured step does that once, at its
+capture. Owners serve every slot of the buckets with their group's forward (a padding slot reads
+a padding row, whose gradient is zero), so the exchange of rows back, and of gradients to the
+owners in ``step()``, reuse the same sizes: see docs/decisions.md, "A sharded step of fixed
+shapes".
 
 With ``grad_scale=1`` training equals one process training the single-process collection on the
 ranks' batches concatenated, with the ranks' losses summed (the owners sum the gradients of a
@@ -41,8 +43,13 @@ from torch import Tensor
 
 from ..collection import HostEmbeddingBagCollection, TableConfig
 from ..modules import _eager, _lookup
-from . import checkpoint
+from . import checkpoint, peer
 from .exchange import agree, backend_device, exchange, gather_cyclic, host_route_group, local_rows
+
+# Padding rows a rank holds a group: the padding slots of a bucket read them in turn. One row
+# would be a segment as long as all of a step's padding in the owners' gradient sums, which one
+# warp finishes alone (docs/decisions.md, "A sharded step of fixed shapes").
+PADS = 64
 
 
 class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
@@ -63,6 +70,11 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         route_group: a gloo group over the same ranks for the host exchange of sizes and
             statuses (made for you on an NCCL default group; pass it to ``CapturedStep``'s
             ``group`` so that a bad id on any rank stops every rank before a replay).
+        exchange: how rows and gradients move between ranks: ``"collective"``, one
+            ``all_to_all_single`` per phase (NCCL or gloo; any hosts); ``"peer"``, each rank
+            reads the rows it needs from its peers' GPU memory in place (torch symmetric memory,
+            GPUs of one host over NVLink: no padding crosses the link); ``"auto"`` (default):
+            ``"peer"`` for NCCL on one host where symmetric memory exists, else collective.
 
     ``state_dict()`` holds this rank's rows under the single-process keys;
     ``gather_state_dict()`` (collective) the whole tables on every rank;
@@ -80,10 +92,12 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                  optimizer_kwargs: Optional[dict] = None, group=None, device=None,
                  cache_bytes: int = 0, bounds_check: str = "raise", dtype=torch.float32,
                  stochastic_rounding: Optional[bool] = None, grad_scale: float = 1.0,
-                 route_group=None):
+                 route_group=None, exchange: str = "auto"):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
                                "torch.distributed.init_process_group first")
+        if exchange not in ("auto", "collective", "peer"):
+            raise ValueError(f"exchange must be 'auto', 'collective' or 'peer', got {exchange!r}")
         if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) \
                 or not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale!r}")
@@ -98,8 +112,9 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                          device=comm_device if device is None else device,
                          cache_bytes=cache_bytes, bounds_check=bounds_check, dtype=dtype,
                          stochastic_rounding=stochastic_rounding, _held_rows=held,
-                         _spare_rows=1)
+                         _spare_rows=PADS)
         self.group, self.rank, self.world = group, rank, world
+        self.padding_rows = PADS  # each group's rows past this rank's rows of its tables
         self.comm_device = comm_device
         self.grad_scale = float(grad_scale)
         if route_group is None and comm_device.type == "cuda":
@@ -107,7 +122,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self.route_group = route_group if route_group is not None else group
         if dist.get_world_size(self.route_group) != world:
             raise ValueError("route_group must hold the ranks of group, in the same order")
-        # Where each table's rows start in each owner's group, and each owner's padding row.
+        # Where each table's rows start in each owner's group, and each owner's first padding row.
         starts = np.zeros((len(tables), world), dtype=np.int64)
         pads = np.zeros((len(self.groups), world), dtype=np.int64)
         for owner in range(world):
@@ -118,6 +133,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._starts_cpu = torch.from_numpy(starts)
         self.register_buffer("_starts", self._starts_cpu.to(self.device), persistent=False)
         self.register_buffer("_pads", torch.from_numpy(pads).to(self.device), persistent=False)
+        self._peer = self._peer_buffers(exchange)
+        self._peer_at: Optional[list] = None  # per group: its regions of the peer buffers
+        self._ahead_at: Optional[list] = None  # the same for a prefetch's ids
+        self._ahead_read = False  # a prefetch's ids read with no barrier since (see prefetch)
         self._sizes: Optional[list] = None  # [rank][group] ids of the forward being routed
         self._generation = 0  # forwards, steps and discards so far: a stale backward raises
         self._pending: Optional[list] = None  # per group: (served, received rows, sizes)
@@ -133,6 +152,39 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         return sum(t.num_embeddings * t.embedding_dim for t in self.tables)
 
     # ---- a step --------------------------------------------------------------------------
+
+    def _peer_buffers(self, exchange: str):
+        """(ids, rows, grads, ahead) peer buffers for the "peer" exchange, or None."""
+        if self.world == 1 or exchange == "collective":
+            return None
+        ok = self.comm_device.type == "cuda" and peer.available()
+        if ok:
+            ok = peer.one_host(self.route_group)  # collective: every rank decides alike
+        if not ok:
+            if exchange == "peer":
+                raise ValueError("exchange='peer' needs an NCCL group of GPUs on one host and "
+                                 "torch's symmetric memory; use 'collective'")
+            return None
+        return tuple(peer.PeerBuffer(self.group, self.comm_device) for _ in range(4))
+
+    def _peer_layout(self, sizes: list, ahead: bool = False) -> list:
+        """Collective: per group, the byte offsets of its regions in the peer buffers (ids;
+        rows and gradients too unless `ahead`, a prefetch's), the same on every rank: sized
+        by the largest rank's ids."""
+        ends = [0, 0, 0]
+        layout = []
+        for g, group in enumerate(self.groups):
+            ns = [row[g] for row in sizes]
+            row = group.embedding_dim * torch.empty((), dtype=group.dtype).element_size()
+            layout.append(tuple(ends))
+            need = [self.world * max(ns) * 8, sum(ns) * row, self.world * max(ns) * row]
+            ends = [e + peer.aligned(b) for e, b in zip(ends, need)]
+        ids, rows, grads, ahead_ids = self._peer
+        (ahead_ids if ahead else ids).reserve(ends[0])
+        if not ahead:
+            rows.reserve(ends[1])
+            grads.reserve(ends[2])
+        return layout
 
     def _stacked(self, table: int, ids: Tensor) -> Tensor:
         """Table `table`'s ids as (the owner's row in its group) * world + owner."""
@@ -170,9 +222,15 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                                "train, or every rank read, in the same forward. Nothing moved.")
         return prepared, agreed
 
-    def _route(self, g: int, flat: Tensor, sizes: list) -> tuple:
+    def _padding(self, g: int, n: int) -> Tensor:
+        """(world * n,): every owner's bucket of n slots filled with its padding rows in turn."""
+        spread = torch.arange(n, device=self.device) % PADS
+        return (self._pads[g].unsqueeze(1) + spread).view(-1)
+
+    def _route(self, g: int, flat: Tensor, sizes: list, ahead: bool = False) -> tuple:
         """(where each id of `flat` sits in the buckets sent, the ids this rank's owners serve)
-        for group `g`: one exchange of ids, `sizes[r]` from rank r."""
+        for group `g`: one exchange of ids, `sizes[r]` from rank r (`ahead`: a prefetch's, in
+        its own peer buffer)."""
         n, world = flat.numel(), self.world
         if world == 1:
             return torch.arange(n, device=flat.device), flat
@@ -186,7 +244,18 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         ends = count[n - 1::n] if n else count.new_zeros(world)  # an owner's last flag's count
         before = torch.cat([count.new_zeros(1), ends[:-1]])  # ids of the owners before
         index = owner * n + count[flag] - before[owner] - 1
-        send = self._pads[g].repeat_interleave(n).index_copy_(0, index, flat // world)
+        if self._peer is not None:
+            buffer = self._peer[3 if ahead else 0]
+            at = (self._ahead_at if ahead else self._peer_at)[g][0]
+            send = buffer.local(at, (world * n,), torch.int64)
+            send.copy_(self._padding(g, n)).index_copy_(0, index, flat // world)
+            buffer.barrier()
+            # Rank r's bucket for this rank: ids r asks of it, then this rank's padding rows.
+            received = torch.cat([buffer.remote(r, at + self.rank * sizes[r] * 8, (sizes[r],),
+                                                torch.int64) if sizes[r] else flat.new_empty(0)
+                                  for r in range(world)])
+            return index, received
+        send = self._padding(g, n).index_copy_(0, index, flat // world)
         received = torch.empty(sum(sizes), dtype=torch.int64, device=self.comm_device)
         exchange(received, send.to(self.comm_device), sizes, [n] * world, self.group)
         return index, received.to(self.device)
@@ -194,6 +263,9 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
     @_eager
     def forward(self, features) -> dict:
         prepared, sizes = self._agreed(features)  # raises before anything changes
+        if self._peer is not None:
+            self._peer_at = self._peer_layout(sizes)
+            self._ahead_read = False  # its barriers follow the last prefetch's reads
         self._sizes = sizes
         self._pending = []  # a forward without its step before: the groups drop its rows
         self._generation += 1  # that forward's outputs can no longer take a backward
@@ -210,8 +282,12 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._count(g, d)
         served = _lookup(group._lookup_rows(d.inverse), d, [served_ids.numel()],
                          **group._lookup_source())[0]
+        back = None  # the peer exchange's (this rank's bucket places, served slots' sources)
         if self.world == 1:
             rows = served.detach()  # a leaf of its own: step() hands its gradient to served
+        elif self._peer is not None:
+            rows, back = self._peer_rows(g, served.detach(), served_ids, index, n, sizes)
+            index = torch.arange(n, device=self.device)  # rows come in this rank's id order
         else:
             rows = served.new_empty((self.world * n, served.shape[1]), device=self.comm_device)
             exchange(rows, served.detach().to(self.comm_device), [n] * self.world, sizes,
@@ -229,12 +305,34 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                         "step is forward, backward, then step()")
                 return grad
             rows.register_hook(current)
-            self._pending.append((g, served, rows, sizes))
+            self._pending.append((g, served, rows, sizes, back))
 
         def pick(lo: int, hi: int, sizes: list) -> tuple:
             # Every position has a slot of its own: index_select's backward adds nothing twice.
             return rows.index_select(0, index[lo:hi]).split(sizes)
         return rows, index, pick
+
+    def _peer_rows(self, g: int, served: Tensor, served_ids: Tensor, index: Tensor, n: int,
+                   sizes: list) -> tuple:
+        """(this rank's rows, one per id in its order, read from their owners' served rows in
+        place; what step() needs to send the gradients back the same way)."""
+        group = self.groups[g]
+        buffer, at = self._peer[1], self._peer_at[g][1]
+        buffer.local(at, tuple(served.shape), served.dtype).copy_(served)
+        buffer.barrier()
+        owner = index // n if n else index
+        before = sum(sizes[:self.rank])  # this rank's bucket in every owner's served rows
+        rows = buffer.rows(at, owner, index - owner * n + before, group.embedding_dim,
+                           served.dtype)
+        # The served slots' gradients: slot k of rank r's bucket is row rank * sizes[r] + k of
+        # r's bucketed gradients, a padding slot none (zeros, never read over the link). Made
+        # by kernels from host ints alone: no upload (a capture holds no host copy).
+        source = torch.cat([torch.full((m,), r, dtype=torch.int64, device=self.device)
+                            for r, m in enumerate(sizes)])
+        row_of = torch.cat([torch.arange(self.rank * m, (self.rank + 1) * m, device=self.device)
+                            for m in sizes])
+        row_of = torch.where(served_ids >= self._pads[g][self.rank], -1, row_of)
+        return rows, (index, source, row_of)
 
     @_eager
     def step(self) -> None:
@@ -245,9 +343,17 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                                "with grad enabled) since the last step")
         pending, self._pending = self._pending, None
         self._generation += 1
-        for g, served, rows, sizes in pending:
+        for g, served, rows, sizes, back in pending:
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            if self.world > 1:
+            if back is not None:
+                index, source, row_of = back
+                buffer, at = self._peer[2], self._peer_at[g][2]
+                n = rows.shape[0]
+                buffer.local(at, (self.world * n, grad.shape[1]), grad.dtype) \
+                    .index_copy_(0, index, grad)  # bucketed; the padding slots left as they are
+                buffer.barrier()
+                grad = buffer.rows(at, source, row_of, grad.shape[1], grad.dtype)
+            elif self.world > 1:
                 n = rows.shape[0] // self.world
                 back = grad.new_empty((sum(sizes), grad.shape[1]), device=self.comm_device)
                 grad = exchange(back, grad.to(self.comm_device), sizes, [n] * self.world,
@@ -263,8 +369,13 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         """Collective: start loading the rows of the next step's batch on their owners (see
         HostEmbedding.prefetch); one exchange of ids per group."""
         prepared, sizes = self._agreed(features, pooling=False)
+        if self._peer is not None:
+            self._ahead_at = self._peer_layout(sizes, ahead=True)
+            if self._ahead_read:  # the peers may still read the last prefetch's ids
+                self._peer[3].barrier()
+            self._ahead_read = True
         for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared[4])):
-            group.prefetch(self._route(g, flat, [row[g] for row in sizes])[1])
+            group.prefetch(self._route(g, flat, [row[g] for row in sizes], ahead=True)[1])
 
     @_eager
     def discard(self) -> None:
@@ -273,7 +384,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         super().discard()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for _, _, rows, _ in self._pending or ():
+        for _, _, rows, _, _ in self._pending or ():
             rows.grad = None
         super().zero_grad(set_to_none)
 
@@ -281,8 +392,9 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     def gather_state_dict(self) -> dict:
         """Collective: the single-process collection's ``state_dict`` (every table whole, its
-        state, the groups' scalars) on every rank, on the host. For tests and export: it holds
-        every table in host memory."""
+        state, the groups' scalars) on every rank, on the host, as copies (unlike
+        ``state_dict()``'s references, later steps leave them as they are). For tests and
+        export: it holds every table in host memory."""
         if self._pending:
             raise RuntimeError(f"{type(self).__name__}.gather_state_dict(): a forward awaits "
                                "its step(); call step() first")
@@ -292,6 +404,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             if value.dim() >= 1:  # a table's rows (the scalars are 0-dim), on every rank
                 value = gather_cyclic(value, self.tables[self._table_index(name)].num_embeddings,
                                       self.group, self.comm_device)
+            else:  # a copy like the tables': a snapshot the next step does not change
+                value = value.detach().clone()
             out[key] = value
         return out
 

@@ -83,7 +83,7 @@ def loss_of(out, target):
 
 
 def like_one_process(rank, world, device, seed, names, weighted=False, grad_scale=1.0,
-                     cache_bytes=0):
+                     cache_bytes=0, exchange="auto"):
     """Every optimizer of `names`: 3 steps of the sharded collection equal to the reference
     step for step (outputs, then the whole tables and state by gather_state_dict), an empty
     batch on the last rank at step 1; the sharded one starts from the reference's state_dict
@@ -96,7 +96,7 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
                                          device="cpu", dtype=F64)
         sharded = ShardedEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
                                                 device=device, dtype=F64, grad_scale=grad_scale,
-                                                cache_bytes=cache_bytes)
+                                                cache_bytes=cache_bytes, exchange=exchange)
         sharded.load_state_dict(ref.state_dict())
         for step in range(3):
             batches = [batch(tables, seed, step, r, 2 + r, empty=step == 1 and r == world - 1,
@@ -142,7 +142,7 @@ def assert_same_state(sharded, ref, msg):
             (msg, key)
 
 
-def bad_input_raises_everywhere(rank, world, device, seed):
+def bad_input_raises_everywhere(rank, world, device, seed, exchange="auto"):
     """An id out of range on the last rank, then a missing feature on rank 0: every rank raises
     (the bad rank naming the feature and the id), nothing is written, and the next good step
     equals the reference."""
@@ -150,7 +150,7 @@ def bad_input_raises_everywhere(rank, world, device, seed):
     ref = HostEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
                                      device="cpu", dtype=F64)
     sharded = ShardedEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
-                                            device=device, dtype=F64)
+                                            device=device, dtype=F64, exchange=exchange)
     sharded.load_state_dict(ref.state_dict())
     before = sharded.gather_state_dict()
     b = batch(TABLES, seed, 0, rank, 3)
@@ -217,7 +217,7 @@ def bad_input_raises_everywhere(rank, world, device, seed):
     assert_same_state(sharded, ref, ("after the errors", seed))
 
 
-def captured_equals_eager(rank, world, device, seed):
+def captured_equals_eager(rank, world, device, seed, exchange):
     """On GPUs (NCCL): the step captured whole by CapturedStep (collectives, caches that evict
     every step, the fused Adam) trains bit for bit as the eager step on the same batches; a bad
     id on one rank makes every rank raise before the replay, and the replays go on after it.
@@ -227,7 +227,8 @@ def captured_equals_eager(rank, world, device, seed):
     from speedtorch_ops import CapturedStep
     tables = [TableConfig("a", 4001, 32, pooling="sum"), TableConfig("b", 997, 32, pooling="none")]
     kwargs = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},
-                  device=device, cache_bytes=200 * 32 * 4 * 3, bounds_check="prechecked")
+                  device=device, cache_bytes=200 * 32 * 4 * 3, bounds_check="prechecked",
+                  exchange=exchange)
     eager = ShardedEmbeddingBagCollection(tables, **kwargs)
     start = eager.gather_state_dict()
     stride, per_bag = 64 + 16 * rank, 3
@@ -253,6 +254,22 @@ def captured_equals_eager(rank, world, device, seed):
     losses = [train(eager, *(x.to(device) for x in draw(i))) for i in steps]
     want = eager.gather_state_dict()
     del eager
+    # The eager step is reproducible, on the default stream and on a side stream (where
+    # CapturedStep runs its warm-up calls): a difference below is then the capture's.
+    for side in (None, torch.cuda.Stream(device)):
+        again = ShardedEmbeddingBagCollection(tables, **kwargs)
+        again.load_state_dict(start)
+        for i, loss in zip(steps, losses):
+            if side is None:
+                got = train(again, *(x.to(device) for x in draw(i)))
+            else:
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    got = train(again, *(x.to(device) for x in draw(i)))
+                torch.cuda.current_stream(device).wait_stream(side)
+            assert torch.equal(got, loss), ("eager again", side is not None, i, float(got),
+                                            float(loss), seed)
+        del again
     captured = ShardedEmbeddingBagCollection(tables, **kwargs)
     captured.load_state_dict(start)
     step = CapturedStep(lambda a, b: train(captured, a, b), rows=(4001, 997),
@@ -270,7 +287,8 @@ def captured_equals_eager(rank, world, device, seed):
             else:
                 raise AssertionError("no error")
         got = step(*draw(i))
-        assert torch.equal(got, loss), (i, float(got), float(loss), seed)
+        assert torch.equal(got, loss), ("captured", i, step.calls, float(got), float(loss),
+                                        seed)
     got = captured.gather_state_dict()
     for key, value in want.items():
         assert torch.equal(got[key], value), (key, seed)
@@ -347,3 +365,16 @@ def bad_checkpoints_raise(rank, world, device, directory):
         raise AssertionError("no error")
     after = sgd.gather_state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def bad_exchange_raises(rank, world, device):
+    """exchange='peer' needs NCCL GPUs of one host: on gloo it raises naming the argument on
+    every rank (each decides alike, so none is left waiting); an unknown exchange raises."""
+    import pytest
+    for exchange, message in (("peer", "exchange='peer' needs"), ("ring", "exchange must be")):
+        with pytest.raises(ValueError, match=message):
+            ShardedEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
+                                          exchange=exchange)
+    ok = ShardedEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
+                                       exchange="collective")  # the group goes on working
+    assert ok._peer is None

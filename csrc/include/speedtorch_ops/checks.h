@@ -210,4 +210,9 @@ void check_gather_staged_args(const at::Tensor& rows, const at::Tensor& index,
                             const c10::optional<at::Tensor>& cache,
                             const c10::optional<at::Tensor>& at);
 
+// _peer_rows: rank_of, row_of and ptrs 1-D int64 contiguous on one device, rank_of and row_of of
+// one length; offset >= 0, dim >= 0.
+void check_peer_rows_args(const at::Tensor& ptrs, int64_t offset, const at::Tensor& rank_of,
+                          const at::Tensor& row_of, int64_t dim);
+
 }  // namespace speedtorch_ops
