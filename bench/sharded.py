@@ -71,6 +71,9 @@ def parse(argv=None):
                    help="collection: write each rank's torch.profiler table of 20 steps to "
                         "PROFILE-<world>-<rank>.txt")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write the collection's bar chart here (PNG)")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only redraw --plot from a JSON an earlier run wrote")
     return p.parse_args(argv)
 
 
@@ -345,6 +348,8 @@ def _spawned(rank, world, a, store, out):
 def report(a, results):
     if "collection" in a.engine:
         report_collection(a, results)
+        if a.plot:
+            plot_collection(a.plot, a, results)
     if "modules" in a.engine:
         report_modules(a, results)
     if a.json:
@@ -386,6 +391,45 @@ def report_collection(a, results):
                      if "speedup_vs_best_one_gpu" in x else ""))
 
 
+def plot_collection(path, a, results):
+    """Samples/s of every collection run against the best one-GPU run, the 1.9x target drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
+    names = {"collection_single_process": "1 GPU\nsingle-process\ncollection",
+             "hostembedding_captured": "1 GPU\n2 HostEmbeddings\n(demo)"}
+    bars = []
+    for r in results:
+        for key, x in r.items():
+            if not (isinstance(x, dict) and "samples_per_s" in x and key.startswith(
+                    ("collection", "hostembedding"))):
+                continue
+            name = names.get(key) or (f"{r['world']} GPU(s)\nsharded" + (
+                f"\n{x['exchange']}" if r["world"] > 1 else ""))
+            bars.append((name, x["samples_per_s"] / 1e6, x.get("speedup_vs_best_one_gpu")))
+    best = max(b[1] for b in bars if not b[0].startswith(("2", "3", "4", "8")))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(bars)), 4.2))
+    ax.bar(range(len(bars)), [b[1] for b in bars], color=["C1" if b[0][0] != "1" else "C0"
+                                                           for b in bars])
+    for x, b in enumerate(bars):
+        ax.text(x, b[1], f"{b[1]:.2f}" + (f"\n{b[2]:.2f}x" if b[2] else ""), ha="center",
+                va="bottom", fontsize=8)
+    ax.axhline(1.9 * best, color="0.4", linestyle="--", linewidth=1)
+    ax.text(len(bars) - 0.5, 1.9 * best, "target: 1.9x the best one-GPU run", ha="right",
+            va="bottom", fontsize=8, color="0.3")
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("million samples / s (all GPUs)")
+    ax.set_ylim(0, 2.1 * best)
+    ax.set_title(f"skip-gram, two {a.vocab:,} x {a.dim} tables + Adam\n{a.batch} centre words a "
+                 f"GPU a step, {a.cache_mb:g} MiB cache a GPU, captured steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def report_modules(a, results):
     single = next((r["single_process"] for r in results if "single_process" in r), None)
     one = next((r["sharded"] for r in results if r["world"] == 1), None)
@@ -414,6 +458,14 @@ def report_modules(a, results):
 
 def main():
     a = parse()
+    if a.replot:
+        with open(a.replot) as f:
+            saved = json.load(f)
+        for key, value in saved["config"].items():
+            if key not in ("plot", "replot", "json"):
+                setattr(a, key, value)
+        plot_collection(a.plot, a, saved["results"])
+        return
     if "RANK" in os.environ:  # torchrun: this process is one rank of one world size
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         local = int(os.environ.get("LOCAL_RANK", 0))

@@ -13,8 +13,8 @@ constexpr int kThreads = 256;
 // before the first store.
 constexpr int kRowsPerWarp = 4;
 
-// W: the word a lane moves (uint4 when every row and address is 16-byte aligned, else one
-// byte); words = row_bytes / sizeof(W).
+// W: the word a lane moves (the widest of 16, 8, 4, 2 or 1 bytes that every row, the offset
+// and out are aligned to); words = row_bytes / sizeof(W).
 template <class W>
 __global__ void peer_rows_kernel(const int64_t* ptrs, int64_t offset, const int64_t* rank_of,
                                  const int64_t* row_of, int64_t n, int64_t words, W* out) {
@@ -57,15 +57,21 @@ cudaError_t launch_peer_rows(const int64_t* ptrs, int64_t offset, const int64_t*
   const int blocks = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>((warps * kWarp + kThreads - 1) / kThreads, 65535)));
   // The buffers' addresses live on the device; the op's contract asks them 16-byte aligned
-  // (allocations are), so the offset and the row length decide the word.
-  if (row_bytes % 16 == 0 && offset % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-    peer_rows_kernel<uint4><<<blocks, kThreads, 0, stream>>>(
-        ptrs, offset, rank_of, row_of, n, row_bytes / 16, static_cast<uint4*>(out));
-  } else {
-    peer_rows_kernel<unsigned char><<<blocks, kThreads, 0, stream>>>(
-        ptrs, offset, rank_of, row_of, n, row_bytes, static_cast<unsigned char*>(out));
-  }
-  return cudaGetLastError();
+  // (allocations are), so the offset, the row length and out decide the widest word.
+  const uintptr_t align = static_cast<uintptr_t>(row_bytes) | static_cast<uintptr_t>(offset) |
+                          reinterpret_cast<uintptr_t>(out);
+  const auto go = [&](auto word) {
+    using W = decltype(word);
+    peer_rows_kernel<W><<<blocks, kThreads, 0, stream>>>(
+        ptrs, offset, rank_of, row_of, n, row_bytes / static_cast<int64_t>(sizeof(W)),
+        static_cast<W*>(out));
+    return cudaGetLastError();
+  };
+  if (align % 16 == 0) return go(uint4{});
+  if (align % 8 == 0) return go(uint2{});
+  if (align % 4 == 0) return go(uint32_t{});
+  if (align % 2 == 0) return go(uint16_t{});
+  return go(static_cast<unsigned char>(0));
 }
 
 }  // namespace speedtorch_ops::cuda

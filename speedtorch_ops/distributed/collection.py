@@ -18,7 +18,7 @@ GPU: a rank fills for every owner a bucket as long as its step's ids of that gro
 positions for that owner first, the owner's padding rows after them), so the sizes follow from
 the batches' shapes alone. ``exchange="peer"`` (GPUs of one host) keeps the buckets in torch
 symmetric memory, and each rank reads in place over NVLink the rows its ids need (no padding
-crosses the link); ``"collective"`` sends whole buckets, one ``all_to_all_single`` per group
+row crosses the link; the buckets of ids are read whole); ``"collective"`` sends whole buckets, one ``all_to_all_single`` per group
 and phase. The ranks learn each other's sizes and whether any rank failed its checks in one
 small host exchange (on a gloo group) per forward; a captured step does that once, at its
 capture. Owners serve every slot of the buckets with their group's forward (a padding slot reads
@@ -73,8 +73,9 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         exchange: how rows and gradients move between ranks: ``"collective"``, one
             ``all_to_all_single`` per phase (NCCL or gloo; any hosts); ``"peer"``, each rank
             reads the rows it needs from its peers' GPU memory in place (torch symmetric memory,
-            GPUs of one host over NVLink: no padding crosses the link); ``"auto"`` (default):
-            ``"peer"`` for NCCL on one host where symmetric memory exists, else collective.
+            GPUs of one host over NVLink: no padding row crosses the link; needs `device` to be
+            the group's GPU); ``"auto"`` (default): ``"peer"`` for NCCL on one host where
+            symmetric memory can be set up, else collective (every rank decides alike).
 
     ``state_dict()`` holds this rank's rows under the single-process keys;
     ``gather_state_dict()`` (collective) the whole tables on every rank;
@@ -154,18 +155,32 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
     # ---- a step --------------------------------------------------------------------------
 
     def _peer_buffers(self, exchange: str):
-        """(ids, rows, grads, ahead) peer buffers for the "peer" exchange, or None."""
+        """(ids, rows, grads, ahead) peer buffers for the "peer" exchange, or None. Every rank
+        decides alike: the tests are the same on every rank, or collective."""
         if self.world == 1 or exchange == "collective":
             return None
         ok = self.comm_device.type == "cuda" and peer.available()
+        if ok and self.device != self.comm_device:
+            if exchange == "peer":
+                raise ValueError(f"device: exchange='peer' stages the rows on the group's GPU "
+                                 f"{self.comm_device}, got {self.device}")
+            ok = False
         if ok:
-            ok = peer.one_host(self.route_group)  # collective: every rank decides alike
+            ok = peer.one_host(self.route_group)
         if not ok:
             if exchange == "peer":
                 raise ValueError("exchange='peer' needs an NCCL group of GPUs on one host and "
                                  "torch's symmetric memory; use 'collective'")
             return None
-        return tuple(peer.PeerBuffer(self.group, self.comm_device) for _ in range(4))
+        buffers = tuple(peer.PeerBuffer(self.group, self.route_group, self.comm_device)
+                        for _ in range(4))
+        try:
+            buffers[0].reserve(0)  # collective: a host without peer access fails here, alike
+        except Exception:  # any: agree raised it (or its own error) on every rank
+            if exchange == "peer":
+                raise
+            return None  # "auto": the collectives
+        return buffers
 
     def _peer_layout(self, sizes: list, ahead: bool = False) -> list:
         """Collective: per group, the byte offsets of its regions in the peer buffers (ids;
@@ -392,9 +407,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     def gather_state_dict(self) -> dict:
         """Collective: the single-process collection's ``state_dict`` (every table whole, its
-        state, the groups' scalars) on every rank, on the host, as copies (unlike
-        ``state_dict()``'s references, later steps leave them as they are). For tests and
-        export: it holds every table in host memory."""
+        state, the groups' scalars) on every rank, the tables on the host, everything as
+        copies (unlike ``state_dict()``'s references, later steps leave them as they are; a
+        scalar stays on its device). For tests and export: it holds every table in host
+        memory."""
         if self._pending:
             raise RuntimeError(f"{type(self).__name__}.gather_state_dict(): a forward awaits "
                                "its step(); call step() first")

@@ -7,7 +7,9 @@ Ordering: a rank writes its part, then every rank passes a barrier (a kernel on 
 stream, so the host waits nowhere and a CUDA graph holds it), then the ranks read. A buffer is
 written again only after the next barrier on the same ranks, which no rank passes before every
 rank has queued (and so finished) the reads before it: each phase of a step that writes a buffer
-follows a barrier of a later phase."""
+follows a barrier of a later phase. The last reads of a step have no barrier after them: a
+module's buffers go back to torch's symmetric pool when it is freed, so free one (and make the
+next) after a device synchronization when its peers may still be reading."""
 
 from __future__ import annotations
 
@@ -19,8 +21,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+from .exchange import agree
 
 _ALIGN = 256  # every region starts this many bytes apart (the kernel's 16-byte words and more)
+# A barrier waits this long for its peers before it fails the step (a rank that raised mid-step
+# would otherwise leave them spinning for good); as long as NCCL's default watchdog, since a
+# peer may legitimately be busy on its host (saving a checkpoint) while this GPU waits.
+_BARRIER_MS = 10 * 60 * 1000
 
 
 def aligned(nbytes: int) -> int:
@@ -46,8 +53,9 @@ def available() -> bool:
 class PeerBuffer:
     """One symmetric buffer of a group: the same size on every rank, grown collectively."""
 
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, route_group, device: torch.device):
         self.group = group if group is not None else dist.group.WORLD
+        self.route_group = route_group
         self.device = torch.device(device)
         self.nbytes = 0
         self.buf: Optional[Tensor] = None
@@ -58,8 +66,10 @@ class PeerBuffer:
     def reserve(self, nbytes: int) -> None:
         """Collective (every rank passes the same `nbytes`, as the step's agreed sizes give
         them): the buffer holds at least `nbytes`, in eager steps only (a capture allocates
-        nothing). A grown buffer's old one is kept, never freed: peers may still read it, and
-        a captured step keeps reading it (and its addresses) at every replay."""
+        nothing). The ranks agree that the allocation worked (one that failed raises on every
+        rank, over `route_group`). A grown buffer's old one is kept, never freed: peers may
+        still read it, and a captured step keeps reading it (and its addresses) at every
+        replay."""
         if self.buf is not None and nbytes <= self.nbytes:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -68,12 +78,21 @@ class PeerBuffer:
         import torch.distributed._symmetric_memory as symm_mem
         # Doubling: the kept ones sum below the newest.
         nbytes = max(aligned(nbytes), _ALIGN, 2 * self.nbytes)
+        made, error = None, None
+        try:
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            handle = symm_mem.rendezvous(buf, self.group)
+            # Each rank's buffer where get_buffer (remote) sees it: the handle's offset applied.
+            ptrs = [handle.get_buffer(r, (nbytes,), torch.uint8).data_ptr()
+                    for r in range(handle.world_size)]
+            made = (buf, handle, torch.tensor(ptrs, dtype=torch.int64, device=self.device))
+        except Exception as e:  # out of memory, no peer access: every rank raises (agree)
+            error = e
+        agree(self.route_group, error, [])
         if self.buf is not None:
             self._retired.append((self.buf, self.handle, self.ptrs))
-        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(buf, self.group)
-        self.ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
-        self.buf, self.handle, self.nbytes = buf, handle, nbytes
+        self.buf, self.handle, self.ptrs = made
+        self.nbytes = nbytes
 
     def local(self, offset: int, shape, dtype: torch.dtype) -> Tensor:
         """This rank's bytes [offset, ...) as a tensor of `shape` and `dtype`."""
@@ -90,7 +109,7 @@ class PeerBuffer:
 
     def barrier(self) -> None:
         """Every rank's writes queued before it are seen by every rank's work queued after."""
-        self.handle.barrier(channel=0)
+        self.handle.barrier(channel=0, timeout_ms=_BARRIER_MS)
 
     def rows(self, offset: int, rank_of: Tensor, row_of: Tensor, dim: int,
              dtype: torch.dtype) -> Tensor:

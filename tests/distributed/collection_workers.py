@@ -221,9 +221,8 @@ def captured_equals_eager(rank, world, device, seed, exchange):
     """On GPUs (NCCL): the step captured whole by CapturedStep (collectives, caches that evict
     every step, the fused Adam) trains bit for bit as the eager step on the same batches; a bad
     id on one rank makes every rank raise before the replay, and the replays go on after it.
-    The eager module trains first, then the captured one: their collectives never interleave
-    (an earlier form of this test, stepping them in turn on the default group, hung on two
-    H100s; see docs/decisions.md, "A sharded step of fixed shapes")."""
+    The eager modules train first, then the captured one: their exchanges never interleave
+    (docs/decisions.md, "A sharded step of fixed shapes", says what hung and when)."""
     from speedtorch_ops import CapturedStep
     tables = [TableConfig("a", 4001, 32, pooling="sum"), TableConfig("b", 997, 32, pooling="none")]
     kwargs = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},

@@ -47,7 +47,7 @@ def test_bad_input_on_one_rank_raises_on_all(backend, exchange, seed):
 
 @pytest.mark.parametrize("exchange", [
     pytest.param("collective", marks=pytest.mark.xfail(
-        strict=True, reason="hangs on two H100s (NCCL all_to_all_single in a captured step "
+        strict=True, reason="hangs on two GPUs (NCCL all_to_all_single in a captured step "
         "after eager modules on the same group; docs/decisions.md, 'A sharded step of fixed "
         "shapes'); 'peer', the default on one host, passes")),
     "peer"])

@@ -30,7 +30,7 @@ def _case(dev, dtype, dim, ranks, offset_rows, n, seed):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,dim", [(torch.float32, 128), (torch.float32, 5),
                                        (torch.bfloat16, 8), (torch.bfloat16, 3),
-                                       (torch.float64, 3), (torch.int64, 1)])
+                                       (torch.float64, 3), (torch.int64, 1), (torch.uint8, 3)])
 @pytest.mark.parametrize("offset_rows", [0, 3])
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])
 def test_rows_read_in_place(device, dtype, dim, offset_rows, n):
