@@ -247,8 +247,8 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
                 step(i)
             sync()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        name = f"{world}-{rank}-{'peer' if run.ebc._peer is not None else 'collective'}" if sharded else \
-            f"{world}-{rank}-single"
+        kind = ("peer" if run.ebc._peer is not None else "collective") if sharded else "single"
+        name = f"{world}-{rank}-{kind}"
         with open(f"{a.profile}-{name}.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
                                               max_name_column_width=70))

@@ -18,13 +18,13 @@ GPU: a rank fills for every owner a bucket as long as its step's ids of that gro
 positions for that owner first, the owner's padding rows after them), so the sizes follow from
 the batches' shapes alone. ``exchange="peer"`` (GPUs of one host) keeps the buckets in torch
 symmetric memory, and each rank reads in place over NVLink the rows its ids need (no padding
-row crosses the link; the buckets of ids are read whole); ``"collective"`` sends whole buckets, one ``all_to_all_single`` per group
-and phase. The ranks learn each other's sizes and whether any rank failed its checks in one
-small host exchange (on a gloo group) per forward; a captured step does that once, at its
-capture. Owners serve every slot of the buckets with their group's forward (a padding slot reads
-a padding row, whose gradient is zero), so the exchange of rows back, and of gradients to the
-owners in ``step()``, reuse the same sizes: see docs/decisions.md, "A sharded step of fixed
-shapes".
+row crosses the link; the buckets of ids are read whole); ``"collective"`` sends whole buckets,
+one ``all_to_all_single`` per group and phase. The ranks learn each other's sizes and whether
+any rank failed its checks in one small host exchange (on a gloo group) per forward; a captured
+step does that once, at its capture. Owners serve every slot of the buckets with their group's
+forward (a padding slot reads a padding row, whose gradient is zero), so the exchange of rows
+back, and of gradients to the owners in ``step()``, reuse the same sizes: see
+docs/decisions.md, "A sharded step of fixed shapes".
 
 With ``grad_scale=1`` training equals one process training the single-process collection on the
 ranks' batches concatenated, with the ranks' losses summed (the owners sum the gradients of a
@@ -160,7 +160,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         if self.world == 1 or exchange == "collective":
             return None
         ok = self.comm_device.type == "cuda" and peer.available()
-        if ok and self.device != self.comm_device:
+        staged = self.device
+        if staged.type == "cuda" and staged.index is None:  # "cuda": the current GPU
+            staged = torch.device("cuda", torch.cuda.current_device())
+        if ok and staged != self.comm_device:
             if exchange == "peer":
                 raise ValueError(f"device: exchange='peer' stages the rows on the group's GPU "
                                  f"{self.comm_device}, got {self.device}")
