@@ -3,6 +3,7 @@ forkserver): gloo on the CPU, or NCCL with one GPU per rank. A rank that raises 
 its traceback (the others are terminated); a run past `timeout` seconds (a hang) fails it too."""
 
 import datetime
+import faulthandler
 import os
 import sys
 import tempfile
@@ -27,8 +28,11 @@ def skip_unless_backend(backend: str, world: int = 2) -> None:
         pytest.skip(f"NCCL needs {world} GPUs (run on the 2-GPU machine)")
 
 
-def _entry(rank, world, backend, store, fn, args):
+def _entry(rank, world, backend, store, fn, args, timeout):
     torch.set_num_threads(1)  # several ranks share the machine's cores
+    # A rank still running shortly before the test gives up prints where it waits: a hang's
+    # traceback, in the test's captured output.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the test hosts
         torch.cuda.set_device(rank)
@@ -54,8 +58,8 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", timeout: float = 120
     skip_unless_backend(backend, world)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_entry, args=(world, backend, store, fn, args), nprocs=world,
-                                 join=False, start_method="forkserver")
+        ctx = mp.start_processes(_entry, args=(world, backend, store, fn, args, timeout),
+                                 nprocs=world, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):  # raises as soon as a rank raises
             if time.monotonic() > deadline:
