@@ -410,10 +410,11 @@ def plot_collection(path, a, results):
                 continue
             name = names.get(key) or (f"{r['world']} GPU(s)\nsharded" + (
                 f"\n{x['exchange']}" if r["world"] > 1 else ""))
-            bars.append((name, x["samples_per_s"] / 1e6, x.get("speedup_vs_best_one_gpu")))
-    best = max(b[1] for b in bars if not b[0].startswith(("2", "3", "4", "8")))
+            bars.append((name, x["samples_per_s"] / 1e6, x.get("speedup_vs_best_one_gpu"),
+                         r["world"]))
+    best = max(b[1] for b in bars if b[3] == 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(bars)), 4.2))
-    ax.bar(range(len(bars)), [b[1] for b in bars], color=["C1" if b[0][0] != "1" else "C0"
+    ax.bar(range(len(bars)), [b[1] for b in bars], color=["C0" if b[3] == 1 else "C1"
                                                            for b in bars])
     for x, b in enumerate(bars):
         ax.text(x, b[1], f"{b[1]:.2f}" + (f"\n{b[2]:.2f}x" if b[2] else ""), ha="center",
