@@ -212,7 +212,7 @@ def exchange_bytes(a, world, ebc) -> dict:
     n = a.batch * (2 + a.negatives)
     peers = world - 1
     row = a.dim * ebc.groups[0].host.element_size()
-    rows = peers * n * row if getattr(ebc, "_peer", None) is None else n * peers // world * row
+    rows = n * peers // world * row if getattr(ebc, "exchange", "") == "peer" else peers * n * row
     return {"ids": 2 * peers * n * 8, "rows": rows, "grads": rows}
 
 
@@ -247,7 +247,7 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
                 step(i)
             sync()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        kind = ("peer" if run.ebc._peer is not None else "collective") if sharded else "single"
+        kind = run.ebc.exchange if sharded else "single"
         name = f"{world}-{rank}-{kind}"
         with open(f"{a.profile}-{name}.txt", "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
@@ -256,8 +256,7 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
     result = {"step_ms": seconds / a.steps * 1e3,
               "samples_per_s": world * a.batch * a.steps / seconds,
               "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
-              "exchange": "peer" if getattr(run.ebc, "_peer", None) is not None else
-              "collective",
+              "exchange": getattr(run.ebc, "exchange", "collective"),
               "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
     if world > 1:  # every rank's step time: a slow rank makes its peers wait
         per_rank = [None] * world

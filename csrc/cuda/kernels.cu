@@ -48,9 +48,8 @@ Shape shape_for(int64_t items, int team_log2, Grid grid) {
   return {static_cast<int>(std::max<int64_t>(1, std::min(needed, most))), threads};
 }
 
-// Calls go(V{}) with the widest access V (up to 16 bytes) that divides every table's row size
-// and base addresses; rows that are not a multiple of 16 bytes take a narrower, never a wrong,
-// path.
+// Calls go(V{}) with the widest access V (up to 16 bytes, by_word) that divides every table's
+// row size, strides and base addresses.
 template <typename Go>
 cudaError_t by_vector_width(const Tables& t, const Go& go) {
   uintptr_t align = 0;
@@ -59,11 +58,7 @@ cudaError_t by_vector_width(const Tables& t, const Go& go) {
              static_cast<uintptr_t>(t.row_bytes[k]) | static_cast<uintptr_t>(t.dst_stride[k]) |
              static_cast<uintptr_t>(t.src_stride[k]);
   }
-  if (align % 16 == 0) return go(uint4{});
-  if (align % 8 == 0) return go(uint2{});
-  if (align % 4 == 0) return go(uint32_t{});
-  if (align % 2 == 0) return go(uint16_t{});
-  return go(uint8_t{});
+  return by_word(align, go);
 }
 
 // The team size for the widest table of a launch.

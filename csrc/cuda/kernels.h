@@ -13,6 +13,18 @@ namespace speedtorch_ops::cuda {
 // Transfer kernels read status[0] first and write nothing when an index was bad.
 constexpr int kStatusWords = 4;
 
+// Calls go(W{}) with the widest word W of 16, 8, 4, 2 or 1 bytes that divides `align` (the OR
+// of every address, row size and stride a kernel moves words of): rows that are not a multiple
+// of 16 bytes take a narrower, never a wrong, path.
+template <typename Go>
+cudaError_t by_word(uintptr_t align, const Go& go) {
+  if (align % 16 == 0) return go(uint4{});
+  if (align % 8 == 0) return go(uint2{});
+  if (align % 4 == 0) return go(uint32_t{});
+  if (align % 2 == 0) return go(uint16_t{});
+  return go(uint8_t{});
+}
+
 // Up to kMaxTables tables moved by one launch with the same indices (a weight and its optimizer
 // state): table k copies rows of row_bytes[k] bytes from src[k] to dst[k], row r starting
 // r * src_stride[k] (dst_stride[k]) bytes from the base. Pointers are device-visible addresses

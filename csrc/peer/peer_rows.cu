@@ -1,6 +1,8 @@
 // _peer_rows's kernel (peer_rows.h). Free of torch headers.
 #include "peer_rows.h"
 
+#include "../cuda/kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -60,18 +62,13 @@ cudaError_t launch_peer_rows(const int64_t* ptrs, int64_t offset, const int64_t*
   // (allocations are), so the offset, the row length and out decide the widest word.
   const uintptr_t align = static_cast<uintptr_t>(row_bytes) | static_cast<uintptr_t>(offset) |
                           reinterpret_cast<uintptr_t>(out);
-  const auto go = [&](auto word) {
+  return by_word(align, [&](auto word) {
     using W = decltype(word);
     peer_rows_kernel<W><<<blocks, kThreads, 0, stream>>>(
         ptrs, offset, rank_of, row_of, n, row_bytes / static_cast<int64_t>(sizeof(W)),
         static_cast<W*>(out));
     return cudaGetLastError();
-  };
-  if (align % 16 == 0) return go(uint4{});
-  if (align % 8 == 0) return go(uint2{});
-  if (align % 4 == 0) return go(uint32_t{});
-  if (align % 2 == 0) return go(uint16_t{});
-  return go(static_cast<unsigned char>(0));
+  });
 }
 
 }  // namespace speedtorch_ops::cuda

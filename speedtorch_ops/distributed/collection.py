@@ -143,6 +143,11 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._pending: Optional[list] = None  # per group: (served, received rows, sizes)
 
     @property
+    def exchange(self) -> str:
+        """How this module's ranks exchange rows: "peer" or "collective" (what "auto" chose)."""
+        return "peer" if self._peer is not None else "collective"
+
+    @property
     def _shards(self) -> list:
         """The modules this rank's rows live in (count_parameters and clip_grad_norm_ see the
         collection as sharded through them)."""
@@ -193,7 +198,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         layout = []
         for g, group in enumerate(self.groups):
             ns = [row[g] for row in sizes]
-            row = group.embedding_dim * torch.empty((), dtype=group.dtype).element_size()
+            row = group.embedding_dim * group.dtype.itemsize
             layout.append(tuple(ends))
             need = [self.world * max(ns) * 8, sum(ns) * row, self.world * max(ns) * row]
             ends = [e + peer.aligned(b) for e, b in zip(ends, need)]
@@ -240,10 +245,13 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                                "train, or every rank read, in the same forward. Nothing moved.")
         return prepared, agreed
 
-    def _padding(self, g: int, n: int) -> Tensor:
-        """(world * n,): every owner's bucket of n slots filled with its padding rows in turn."""
+    def _padding(self, g: int, n: int, out: Optional[Tensor] = None) -> Tensor:
+        """(world * n,): every owner's bucket of n slots filled with its padding rows in turn
+        (written into `out` when given)."""
         spread = torch.arange(n, device=self.device) % PADS
-        return (self._pads[g].unsqueeze(1) + spread).view(-1)
+        if out is None:
+            out = torch.empty(self.world * n, dtype=torch.int64, device=self.device)
+        return torch.add(self._pads[g].unsqueeze(1), spread, out=out.view(self.world, n)).view(-1)
 
     def _route(self, g: int, flat: Tensor, sizes: list, ahead: bool = False) -> tuple:
         """(where each id of `flat` sits in the buckets sent, the ids this rank's owners serve)
@@ -265,8 +273,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         if self._peer is not None:
             buffer = self._peer[3 if ahead else 0]
             at = (self._ahead_at if ahead else self._peer_at)[g][0]
-            send = buffer.local(at, (world * n,), torch.int64)
-            send.copy_(self._padding(g, n)).index_copy_(0, index, flat // world)
+            send = self._padding(g, n, out=buffer.local(at, (world * n,), torch.int64))
+            send.index_copy_(0, index, flat // world)
             buffer.barrier()
             # Rank r's bucket for this rank: ids r asks of it, then this rank's padding rows.
             received = torch.cat([buffer.remote(r, at + self.rank * sizes[r] * 8, (sizes[r],),

@@ -13,6 +13,7 @@ next) after a device synchronization when its peers may still be reading."""
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Optional
 
@@ -96,16 +97,12 @@ class PeerBuffer:
 
     def local(self, offset: int, shape, dtype: torch.dtype) -> Tensor:
         """This rank's bytes [offset, ...) as a tensor of `shape` and `dtype`."""
-        count = 1
-        for s in shape:
-            count *= s
-        size = count * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * dtype.itemsize
         return self.buf[offset:offset + size].view(dtype).view(shape)
 
     def remote(self, rank: int, offset: int, shape, dtype: torch.dtype) -> Tensor:
         """Rank `rank`'s bytes [offset, ...) as a tensor here, read in place."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.handle.get_buffer(rank, tuple(shape), dtype, offset // itemsize)
+        return self.handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
 
     def barrier(self) -> None:
         """Every rank's writes queued before it are seen by every rank's work queued after."""
