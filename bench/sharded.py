@@ -47,6 +47,9 @@ def parse(argv=None):
     p.add_argument("--negatives", type=int, default=5)
     p.add_argument("--steps", type=int, default=200, help="timed steps")
     p.add_argument("--warmup", type=int, default=30, help="steps before the clock (fill caches)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="collection: the timed steps in this many windows; a run's step time "
+                        "is their median")
     p.add_argument("--profile-steps", type=int, default=50)
     p.add_argument("--cache-mb", type=float, default=1200, help="row cache per rank, both tables")
     p.add_argument("--lr", type=float, default=0.05)
@@ -65,11 +68,19 @@ def parse(argv=None):
     p.add_argument("--exchange", nargs="+", choices=["auto", "collective", "peer"],
                    default=["auto"], help="the sharded collection's exchanges, each measured "
                    "(at 2+ ranks)")
+    p.add_argument("--ids", choices=["host", "device"], default="device",
+                   help="collection: where a captured step's ids come from. device "
+                        "(default): checked on the GPU, so each call waits for the step before "
+                        "it (CapturedStep's one wait); host (as the demo's engine): checked on "
+                        "the host and uploaded in one copy, the host running ahead")
     p.add_argument("--eager", action="store_true",
                    help="collection: launch the steps op by op (no CUDA graph)")
     p.add_argument("--profile", default=None,
                    help="collection: write each rank's torch.profiler table of 20 steps to "
                         "PROFILE-<world>-<rank>.txt")
+    p.add_argument("--trace", default=None,
+                   help="collection: write each rank's torch.profiler timeline of 3 steps to "
+                        "TRACE-<world>-<rank>-<exchange>.json.gz (chrome://tracing, Perfetto)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the collection's bar chart here (PNG)")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -217,18 +228,30 @@ def exchange_bytes(a, world, ebc) -> dict:
 
 
 def timed_steps(a, data, run, host_bytes, sync) -> tuple:
-    """(seconds of a.steps steps of `run` after a.warmup, the host-link bytes a step);
-    `host_bytes()`: the run's bytes over the link so far."""
+    """(the median step of a.repeats windows of a.steps / a.repeats steps of `run` after
+    a.warmup, in seconds; every window's; the host-link bytes a step). `host_bytes()`: the
+    run's bytes over the link so far. Several windows, each ended by a sync: one window of a
+    second or less took a slow moment of the machine (the runs of a call spread by 2x) whole."""
     for i in range(a.warmup):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
     sync()
     host0 = host_bytes()
-    start = time.perf_counter()
-    for i in range(a.warmup, a.warmup + a.steps):
-        run.step(data[i % len(data)], data[(i + 1) % len(data)])
-    sync()
-    seconds = time.perf_counter() - start
-    return seconds, (host_bytes() - host0) / a.steps
+    per = max(1, a.steps // a.repeats)
+    windows, i = [], a.warmup
+    for _ in range(a.repeats):
+        start = time.perf_counter()
+        for _ in range(per):
+            run.step(data[i % len(data)], data[(i + 1) % len(data)])
+            i += 1
+        sync()
+        windows.append((time.perf_counter() - start) / per)
+    return float(np.median(windows)), windows, (host_bytes() - host0) / (i - a.warmup)
+
+
+def timing(a, world: int, step_s: float, windows: list) -> dict:
+    """A run's step time and samples/s from its median window, and every window's step ms."""
+    return {"step_ms": step_s * 1e3, "samples_per_s": world * a.batch / step_s,
+            "step_ms_windows": [w * 1e3 for w in windows]}
 
 
 def measure_collection(a, data, device, world, sharded: bool, exchange: str = "auto") -> dict:
@@ -238,23 +261,28 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
     def step(i):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
 
-    seconds, host = timed_steps(a, data, run,
-                                lambda: run.ebc.cache_stats()["total"]["host_bytes"], sync)
-    if a.profile and device.type == "cuda":
+    step_s, windows, host = timed_steps(a, data, run,
+                                        lambda: run.ebc.cache_stats()["total"]["host_bytes"],
+                                        sync)
+    if device.type == "cuda" and (a.profile or a.trace):
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(20):
-                step(i)
-            sync()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        kind = run.ebc.exchange if sharded else "single"
-        name = f"{world}-{rank}-{kind}"
-        with open(f"{a.profile}-{name}.txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
-                                              max_name_column_width=70))
+        name = f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}"
+        for path, steps in ((a.profile, 20), (a.trace, 3)):
+            if not path:
+                continue
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(steps):
+                    step(i)
+                sync()
+            if path is a.trace:
+                prof.export_chrome_trace(f"{path}-{name}.json.gz")
+            else:
+                with open(f"{path}-{name}.txt", "w") as f:
+                    f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                      max_name_column_width=70))
     stats = run.ebc.cache_stats()["total"]
-    result = {"step_ms": seconds / a.steps * 1e3,
-              "samples_per_s": world * a.batch * a.steps / seconds,
+    result = {**timing(a, world, step_s, windows),
               "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
               "exchange": getattr(run.ebc, "exchange", "collective"),
               "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
@@ -279,7 +307,7 @@ def measure_modules_captured(a, data, device) -> dict:
         optimizer="adam", lr=a.lr, fused=None, cache_mb=a.cache_mb, dim=a.dim, vocab=a.vocab,
         negatives=a.negatives, graph="on", prefetch="on", dtype="float32", rounding=None),
         device)
-    seconds, host = timed_steps(
+    step_s, windows, host = timed_steps(
         a, data, run, lambda: sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v)),
         lambda: torch.cuda.synchronize(device))
     stats = [emb.cache_stats() for emb in (run.u, run.v)]
@@ -287,7 +315,7 @@ def measure_modules_captured(a, data, device) -> dict:
     del run
     gc.collect()
     torch.cuda.empty_cache()
-    return {"step_ms": seconds / a.steps * 1e3, "samples_per_s": a.batch * a.steps / seconds,
+    return {**timing(a, 1, step_s, windows),
             "hit_rate": hits / lookups if lookups else 0.0, "graph": True,
             "bytes_per_step": {"host_link": host, "ids": 0, "rows": 0, "grads": 0}}
 
@@ -305,13 +333,16 @@ def run_rank(a, rank, world, local_rank):
     torch.manual_seed(rank)  # each rank initialises its own shard
     result = {"world": world, "device": str(device), "backend": backend}
     if "collection" in a.engine:
-        on_device = [tuple(x.to(device) for x in b) for b in data]  # a replay's inputs
+        # A step's inputs: host ids for a captured step with --ids host (CapturedStep checks
+        # and uploads them), else ids on the device.
+        host = device.type == "cuda" and not a.eager and a.ids == "host"
+        inputs = data if host else [tuple(x.to(device) for x in b) for b in data]
         for x in a.exchange if world > 1 else a.exchange[:1]:
-            result[f"collection_{x}"] = measure_collection(a, on_device, device, world,
+            result[f"collection_{x}"] = measure_collection(a, inputs, device, world,
                                                           sharded=True, exchange=x)
         result["collection"] = result.pop(f"collection_{a.exchange[0]}")
         if world == 1:  # the one-GPU configurations on the same batches
-            result["collection_single_process"] = measure_collection(a, on_device, device, 1,
+            result["collection_single_process"] = measure_collection(a, inputs, device, 1,
                                                                      sharded=False)
             if device.type == "cuda":
                 result["hostembedding_captured"] = measure_modules_captured(a, data, device)
@@ -366,8 +397,8 @@ def report_collection(a, results):
     best = max(one, key=lambda x: x["samples_per_s"]) if one else None
     print(f"ShardedEmbeddingBagCollection: vocab {a.vocab:,} dim {a.dim}, {a.batch} centre "
           f"words x (2 + {a.negatives}) ids per rank per step, cache {a.cache_mb:g} MiB per rank")
-    print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  bytes a step, "
-          "per rank ms")
+    print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  bytes a step; step ms "
+          "of the windows, of each rank")
     for r in results:
         extra = [(k, f"{r['world']} rank(s), sharded, {r[k]['exchange']}") for k in r
                  if k.startswith("collection_") and k != "collection_single_process"]
@@ -385,7 +416,10 @@ def report_collection(a, results):
             print(f"{name:<34}{x['samples_per_s']:>12,.0f}{x['step_ms']:>9.3f}"
                   f"{x['hit_rate']:>9.3f}  host {moved['host_link'] / 1e6:.1f} MB, to peers "
                   f"{(moved['ids'] + moved['rows'] + moved['grads']) / 1e6:.1f} MB  "
-                  f"{x.get('step_ms_per_rank', '')}"
+                  + (f"windows {min(x['step_ms_windows']):.3f}-{max(x['step_ms_windows']):.3f}"
+                     if x.get("step_ms_windows") else "")
+                  + (f" ranks {' '.join(f'{t:.3f}' for t in x['step_ms_per_rank'])}"
+                     if x.get("step_ms_per_rank") else "")
                   + (f"  {x['speedup_vs_best_one_gpu']:.2f}x best one GPU"
                      if "speedup_vs_best_one_gpu" in x else ""))
 

@@ -52,6 +52,21 @@ from .exchange import agree, backend_device, exchange, gather_cyclic, host_route
 PADS = 64
 
 
+class _Pieces(torch.autograd.Function):
+    """`rows` split into pieces of `sizes` rows, each a tensor of its own (as a lookup's
+    outputs, which a caller may change in place): the backward joins their gradients with one
+    cat, where index_select's adds them into a zeroed whole."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, sizes: list) -> tuple:
+        return tuple(piece.clone() for piece in rows.split(sizes))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return torch.cat([g.reshape(-1, g.shape[-1]) for g in grads]), None
+
+
 class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
     """``HostEmbeddingBagCollection`` split by rows across a process group (see the module
     docstring); ``forward``, ``prefetch`` and ``step`` are collective (every rank calls them
@@ -333,7 +348,11 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             rows.register_hook(current)
             self._pending.append((g, served, rows, sizes, back))
 
+        ordered = self.world == 1 or self._peer is not None  # rows in the ids' order
+
         def pick(lo: int, hi: int, sizes: list) -> tuple:
+            if ordered and lo == 0 and hi == rows.shape[0]:
+                return _Pieces.apply(rows, sizes)
             # Every position has a slot of its own: index_select's backward adds nothing twice.
             return rows.index_select(0, index[lo:hi]).split(sizes)
         return rows, index, pick
