@@ -39,7 +39,10 @@ def with_cuda():
 
 def extension():
     cpp = sources("module", "cpu")
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # -g0: Python's own build flags, which torch's builder passes on, ask for debug info, and
+    # for the dispatch templates of the CPU kernels that is most of their compile
+    # (docs/decisions.md, "The test command's time"). Drop it here to debug the extension.
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-g0"]
     # Torch passes no-half-operator flags to nvcc; the kernels convert explicitly.
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
     include = [os.path.join(HERE, "csrc", "include")]

@@ -84,8 +84,10 @@ LOADER = """
             # its storage into shared memory: the table is copied there and is no longer pinned,
             # so the parent can only gather on the CPU afterwards.
             device = "cpu"
+        # Persistent workers: the second epoch reuses them (a spawned worker imports torch).
         loader = DataLoader(Ids(table if read_in_worker else None), batch_size=4, num_workers=2,
-                            multiprocessing_context=context, timeout=120)
+                            multiprocessing_context=context, timeout=120,
+                            persistent_workers=True)
         seen = 0
         for epoch in range(2):
             for ids, rows in loader:

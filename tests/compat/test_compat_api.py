@@ -276,11 +276,15 @@ def test_checkpoint_resume_in_a_fresh_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT)
     ck = str(tmp_path / "ck.pt")
-    run = lambda *args: subprocess.run([sys.executable, str(script), *args], check=True,
-                                       cwd=os.path.dirname(__file__))
-    run("save", ck, "3")                      # 3 steps, checkpoint
-    run("resume", ck, "6")                    # a fresh process resumes for 3 more
-    run("straight", str(tmp_path / "ref"), "6")  # uninterrupted 6 steps
+    start = lambda *args: subprocess.Popen([sys.executable, str(script), *args],
+                                           cwd=os.path.dirname(__file__))
+    straight = start("straight", str(tmp_path / "ref"), "6")  # uninterrupted 6 steps, beside:
+    try:
+        assert start("save", ck, "3").wait() == 0            # 3 steps, checkpoint
+        assert start("resume", ck, "6").wait() == 0          # a fresh process: 3 more
+        assert straight.wait() == 0
+    finally:
+        straight.kill()  # nothing if it ended
     assert np.array_equal(np.load(ck + ".out.npy"), np.load(str(tmp_path / "ref") + ".out.npy"))
 
 
