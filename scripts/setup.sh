@@ -4,6 +4,7 @@
 # - the extension built from source against that torch (CUDA kernels too when nvcc is found and
 #   a GPU is present, or SPEEDTORCH_OPS_WITH_CUDA=1), again only when its sources or build
 #   settings changed, and then only what changed
+# - the C++ tests (Catch2 against LibTorch) in build/cpp, likewise
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -70,3 +71,26 @@ else
   rm -f "$STAMP.started"
   echo "   built in $(( $(date +%s) - start )) s (log: build.log)"
 fi
+
+# The C++ tests, built here with the extension: the test command then finds them built when the
+# demo command ran first (ninja rebuilds only what changed). A CPU-only extension build
+# (without a GPU) left its objects where setup.py keeps them: the C++ tests link those instead
+# of compiling the same sources again.
+objects=""
+if [ -n "${SPEEDTORCH_OPS_CPU_ONLY:-}" ] && [ "${SPEEDTORCH_OPS_CPU_ONLY}" != 0 ]; then
+  tag=$("$PY" -c 'import sys; print(sys.implementation.cache_tag)')
+  objects=${SPEEDTORCH_OPS_BUILD_DIR:-$ROOT/build/ext-$tag}
+fi
+configure=(-S . -B build/cpp -G Ninja
+           -DCMAKE_PREFIX_PATH="$("$PY" -c 'import importlib.util, os
+print(os.path.join(os.path.dirname(importlib.util.find_spec("torch").origin), "share", "cmake"))')"
+           -DPython3_EXECUTABLE="$PY" -DSPEEDTORCH_OPS_OBJECTS="$objects")
+mkdir -p build/cpp
+if [ ! -f build/cpp/build.ninja ] || [ "$(cat build/cpp/configured 2>/dev/null)" != "${configure[*]}" ]; then
+  echo "== configuring the C++ tests"
+  cmake "${configure[@]}" >build/cmake.log 2>&1 || { tail -40 build/cmake.log; exit 1; }
+  echo "${configure[*]}" >build/cpp/configured
+fi
+start=$(date +%s)
+cmake --build build/cpp -j "$(nproc)" >>build/cmake.log 2>&1 || { tail -40 build/cmake.log; exit 1; }
+echo "== C++ tests built ($(( $(date +%s) - start )) s; log: build/cmake.log)"
