@@ -8,7 +8,7 @@ import torch
 
 from speedtorch_ops import ops
 
-from test_plan_ops import DEVICES, device_of, gen
+from test_cache_ops import DEVICES, device_of, gen
 
 
 def _case(dev, dtype, dim, ranks, offset_rows, n, seed):

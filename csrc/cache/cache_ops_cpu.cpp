@@ -1,4 +1,4 @@
-// CPU kernels of the planning ops (registration.cpp has their contracts). Each is one pass in
+// CPU kernels of the row cache's device ops (registration.cpp has their contracts). Each is one pass in
 // order over a step's ids (a scan: the positions depend on everything before them), but the
 // row moves, whose rows are independent.
 #include "speedtorch_ops/checks.h"

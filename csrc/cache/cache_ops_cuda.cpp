@@ -1,8 +1,8 @@
-// CUDA kernels of the planning ops (registration.cpp has their contracts): a row cache's step
+// CUDA entry points of the row cache's ops (registration.cpp has their contracts): a row cache's step
 // planned on the device in a few launches, with nothing read back to the host.
-#include "plan_kernels.h"
+#include "../cuda/transfer.h"
+#include "cache_kernels.h"
 #include "speedtorch_ops/checks.h"
-#include "transfer.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

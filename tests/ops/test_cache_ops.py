@@ -1,4 +1,4 @@
-"""The planning ops of the row cache (_sort_ids, _distinct, _partition, _cache_lookup,
+"""The row cache's device ops (_sort_ids, _distinct, _partition, _cache_lookup,
 _coldest_slots, _admission, _cache_admit, _age_frequencies, _take_rows, _put_rows) against plain PyTorch/NumPy references on fresh random data, on the CPU and
 (on the GPU machine) on CUDA; their errors; opcheck."""
 
