@@ -160,25 +160,25 @@ TORCH_LIBRARY(speedtorch_ops, m) {
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
   // The most SMs the transfer kernels may use (0: no cap, the default), so transfers can run
   // beside training kernels. Process-wide; returns the previous setting.
-  m.def("_set_transfer_sm_limit(int sms) -> int", &speedtorch_ops::cuda_impl::set_transfer_sm_limit);
+  m.def("_set_transfer_sm_limit(int sms) -> int", &speedtorch_ops::torch_cuda::set_transfer_sm_limit);
   // Test hook of the hybrid path (CPU indices, host tables, rows on a GPU): the share of rows
   // the zero-copy kernels move, fixed in [0, 1], or negative for the automatic split.
-  m.def("_set_hybrid_share(float share) -> float", &speedtorch_ops::cuda_impl::set_hybrid_share);
+  m.def("_set_hybrid_share(float share) -> float", &speedtorch_ops::torch_cuda::set_hybrid_share);
   // Test hook of the automatic split: forgets every shape's search; with quick, new searches
   // change their share from the first call on, one call a share.
-  m.def("_reset_hybrid_tuner(bool quick) -> ()", &speedtorch_ops::cuda_impl::reset_hybrid_tuner);
+  m.def("_reset_hybrid_tuner(bool quick) -> ()", &speedtorch_ops::torch_cuda::reset_hybrid_tuner);
   // Test hook of the routing: the table span (bytes) from which a CUDA index over pinned host
   // tables takes the hybrid path and write-backs go through the CPU (0 restores the default);
   // returns the previous setting.
   m.def("_set_hybrid_min_span(int bytes) -> int",
-        &speedtorch_ops::cuda_impl::set_hybrid_min_span);
+        &speedtorch_ops::torch_cuda::set_hybrid_min_span);
   // Test hook of the one-kernel write-back into CUDA tables: its cooperative launch asks for
   // this many blocks more than the device holds at once, so the runtime refuses it and the
   // call takes the separate kernels (0: off); returns the previous setting.
   m.def("_set_fused_extra_blocks(int blocks) -> int",
-        &speedtorch_ops::cuda_impl::set_fused_extra_blocks);
+        &speedtorch_ops::torch_cuda::set_fused_extra_blocks);
   // Waits for the current stream of CUDA device `device`, then raises the bad index a call with
   // bounds_check='deferred' recorded there since the last report.
-  m.def("_sync_bounds_check(int device) -> ()", &speedtorch_ops::cuda_impl::sync_bounds_check);
+  m.def("_sync_bounds_check(int device) -> ()", &speedtorch_ops::torch_cuda::sync_bounds_check);
 #endif
 }

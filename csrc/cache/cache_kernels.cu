@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <climits>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 __global__ void heads_kernel(const int64_t* sorted, int64_t n, int64_t* head) {
@@ -341,4 +341,4 @@ cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cud
   return cudaGetLastError();
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

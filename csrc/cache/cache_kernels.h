@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // Given sorted keys (n, ascending) and the permutation that sorted them: ids[0:count] the
 // distinct keys ascending (ids must be zeroed by the caller), inverse[perm[i]] the position in
@@ -77,4 +77,4 @@ cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, const void* src,
 // kernel over freq returns at once on the other steps, so a captured step pays no pass.
 cudaError_t launch_age(float* freq, int64_t n, int64_t* age, int64_t period, cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -30,7 +30,7 @@ at::Tensor scratch(size_t bytes, const at::Tensor& like) {
 std::tuple<at::Tensor, at::Tensor> sort_ids_cuda(const at::Tensor& keys, int64_t bound) {
   check_sort_ids_args(keys, "keys", bound);
   const c10::cuda::CUDAGuard guard(keys.device());
-  return cuda_impl::sort_rows(keys, std::nullopt, bound);
+  return torch_cuda::sort_rows(keys, std::nullopt, bound);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distinct_cuda(
@@ -43,13 +43,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distinct_
   auto inverse = at::empty({n}, index.options());
   auto count = at::empty({1}, index.options());
   auto starts = at::empty({n + 1}, index.options());
-  auto [sorted, perm] = cuda_impl::sort_rows(index, std::nullopt, bound);
+  auto [sorted, perm] = torch_cuda::sort_rows(index, std::nullopt, bound);
   auto rank = at::empty({n}, index.options());
   size_t bytes = 0;
-  C10_CUDA_CHECK(cuda::launch_unique_sorted(nullptr, &bytes, nullptr, nullptr, nullptr, n,
+  C10_CUDA_CHECK(kernels::launch_unique_sorted(nullptr, &bytes, nullptr, nullptr, nullptr, n,
                                             nullptr, nullptr, nullptr, nullptr, stream_of(index)));
   auto temp = scratch(bytes, index);
-  C10_CUDA_CHECK(cuda::launch_unique_sorted(
+  C10_CUDA_CHECK(kernels::launch_unique_sorted(
       temp.mutable_data_ptr(), &bytes, sorted.const_data_ptr<int64_t>(),
       perm.const_data_ptr<int64_t>(), rank.mutable_data_ptr<int64_t>(), n,
       ids.mutable_data_ptr<int64_t>(), inverse.mutable_data_ptr<int64_t>(),
@@ -64,10 +64,10 @@ std::tuple<at::Tensor, at::Tensor> partition_cuda(const at::Tensor& flags) {
   auto order = at::empty({n}, flags.options().dtype(at::kLong));
   auto count = at::empty({1}, flags.options().dtype(at::kLong));
   size_t bytes = 0;
-  C10_CUDA_CHECK(cuda::launch_partition(nullptr, &bytes, nullptr, n, nullptr, nullptr,
+  C10_CUDA_CHECK(kernels::launch_partition(nullptr, &bytes, nullptr, n, nullptr, nullptr,
                                         stream_of(flags)));
   auto temp = scratch(bytes, flags);
-  C10_CUDA_CHECK(cuda::launch_partition(temp.mutable_data_ptr(), &bytes,
+  C10_CUDA_CHECK(kernels::launch_partition(temp.mutable_data_ptr(), &bytes,
                                         flags.const_data_ptr<bool>(), n,
                                         order.mutable_data_ptr<int64_t>(),
                                         count.mutable_data_ptr<int64_t>(), stream_of(flags)));
@@ -82,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> cache_lookup_cuda(const at::Tensor& ids, cons
   const int64_t n = ids.numel();
   auto at_slot = at::empty({n}, ids.options());
   auto miss = at::empty({n}, ids.options().dtype(at::kBool));
-  C10_CUDA_CHECK(cuda::launch_cache_lookup(
+  C10_CUDA_CHECK(kernels::launch_cache_lookup(
       ids.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(), n,
       slot_of.const_data_ptr<int32_t>(), slot_of.numel(), freq.mutable_data_ptr<float>(),
       scratch_slot,
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> coldest_slots_cuda(const at::Tensor& id_of,
   auto* keys_in = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
   size_t bytes = 0;
   const auto go = [&](void* temp) {
-    return cuda::launch_coldest_slots(
+    return kernels::launch_coldest_slots(
         temp, &bytes, id_of.const_data_ptr<int64_t>(), slots, freq.const_data_ptr<float>(),
         freq.numel(), at.const_data_ptr<int64_t>(), at.numel(), k, hand_ptr, w,
         prio.mutable_data_ptr<float>(), keys_in, keys_in + w, cand.mutable_data_ptr<int64_t>(),
@@ -131,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> admission_cuda(
   auto admit = at::empty({k}, ids.options().dtype(at::kBool));
   auto keys = at::empty({k}, ids.options());
   auto evicted = at::zeros({1}, ids.options());
-  C10_CUDA_CHECK(cuda::launch_admission(
+  C10_CUDA_CHECK(kernels::launch_admission(
       ids.const_data_ptr<int64_t>(), ids.numel(), first.const_data_ptr<int64_t>(),
       victims.const_data_ptr<int64_t>(), cold.const_data_ptr<float>(), k,
       misses.const_data_ptr<int64_t>(), freq.const_data_ptr<float>(),
@@ -147,7 +147,7 @@ at::Tensor cache_admit_cuda(at::Tensor& slot_of, at::Tensor& id_of, const at::Te
   check_cache_admit_args(slot_of, id_of, ids, at, first, victims, admit);
   const c10::cuda::CUDAGuard guard(slot_of.device());
   auto dest = at.clone();
-  C10_CUDA_CHECK(cuda::launch_cache_admit(
+  C10_CUDA_CHECK(kernels::launch_cache_admit(
       slot_of.mutable_data_ptr<int32_t>(), slot_of.numel(), id_of.mutable_data_ptr<int64_t>(),
       id_of.numel(), ids.const_data_ptr<int64_t>(), ids.numel(), first.const_data_ptr<int64_t>(),
       victims.const_data_ptr<int64_t>(), admit.const_data_ptr<bool>(), first.numel(),
@@ -160,7 +160,7 @@ void move_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& in
   check_move_rows_args(dst, src, index, count, take);
   const c10::cuda::CUDAGuard guard(dst.device());
   const int64_t item = dst.element_size();
-  C10_CUDA_CHECK(cuda::launch_move_rows(
+  C10_CUDA_CHECK(kernels::launch_move_rows(
       dst.mutable_data_ptr(), dst.stride(0) * item, src.const_data_ptr(), src.stride(0) * item,
       take ? src.size(1) : dst.size(1), c10::multiply_integers(dst.sizes().slice(2)) * item,
       dst.size(0), index.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(),
@@ -180,7 +180,7 @@ void put_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& ind
 void age_frequencies_cuda(at::Tensor& freq, at::Tensor& age, int64_t period) {
   check_age_args(freq, age, period);
   const c10::cuda::CUDAGuard guard(freq.device());
-  C10_CUDA_CHECK(cuda::launch_age(freq.mutable_data_ptr<float>(), freq.numel(),
+  C10_CUDA_CHECK(kernels::launch_age(freq.mutable_data_ptr<float>(), freq.numel(),
                                   age.mutable_data_ptr<int64_t>(), period, stream_of(freq)));
 }
 

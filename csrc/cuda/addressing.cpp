@@ -3,7 +3,7 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 char* mapped_host_rows(const at::Tensor& table) {
   auto* ptr = static_cast<char*>(const_cast<void*>(table.const_data_ptr()));
@@ -30,4 +30,4 @@ Addressed address(const at::Tensor& table, const std::string& name, const c10::D
   return {rows, rows != nullptr ? route::Memory::kMappedHost : route::Memory::kPageableHost};
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -8,7 +8,7 @@
 
 #include <string>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // A table's rows as the kernels on one device see them.
 struct Addressed {
@@ -25,4 +25,4 @@ Addressed address(const at::Tensor& table, const std::string& name, const c10::D
 // (pageable memory).
 char* mapped_host_rows(const at::Tensor& table);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -9,7 +9,7 @@
 #include <map>
 #include <mutex>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 // The names a record can hold, by code (the validation kernel writes the code).
@@ -46,10 +46,10 @@ Slot make_slot(const c10::Device& device) {
   C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
   Slot s;
   void* record = nullptr;
-  cudaError_t err = cudaHostAlloc(&record, cuda::kRecordWords * sizeof(int64_t),
+  cudaError_t err = cudaHostAlloc(&record, kernels::kRecordWords * sizeof(int64_t),
                                   cudaHostAllocMapped | cudaHostAllocPortable);
   if (err == cudaSuccess) {
-    std::memset(record, 0, cuda::kRecordWords * sizeof(int64_t));
+    std::memset(record, 0, kernels::kRecordWords * sizeof(int64_t));
     s.record = static_cast<int64_t*>(record);
     err = cudaMalloc(reinterpret_cast<void**>(&s.claim), sizeof(*s.claim));
   }
@@ -69,7 +69,7 @@ Slot make_slot(const c10::Device& device) {
 
 }  // namespace
 
-cuda::Deferred deferred_record(const c10::Device& device, const char* name) {
+kernels::Deferred deferred_record(const c10::Device& device, const char* name) {
   std::lock_guard<std::mutex> lock(g_mutex);
   auto it = slots().find(device.index());
   if (it == slots().end()) it = slots().emplace(device.index(), make_slot(device)).first;
@@ -108,4 +108,4 @@ void sync_bounds_check(int64_t device) {
   raise_deferred(dev);
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -9,11 +9,11 @@
 
 #include <c10/core/Device.h>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // @brief The device's record for a validation kernel reporting argument `name` (allocated at
 // the first call on that device, also while a CUDA graph is being captured).
-cuda::Deferred deferred_record(const c10::Device& device, const char* name);
+kernels::Deferred deferred_record(const c10::Device& device, const char* name);
 
 // @brief Raises the bad index a deferred call on `device` recorded since the last report, if
 // the GPU has recorded one by now (no wait); the record is then reported and cleared.
@@ -23,4 +23,4 @@ void raise_deferred(const c10::Device& device);
 // deferred call queued on that stream so far.
 void sync_bounds_check(int64_t device);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 constexpr int kThreads = 256;
 
@@ -25,4 +25,4 @@ __device__ __forceinline__ void for_each_element(int64_t n, F&& f) {
   }
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <atomic>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 namespace cg = cooperative_groups;
@@ -677,4 +677,4 @@ cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const cha
   return cudaErrorInvalidValue;
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

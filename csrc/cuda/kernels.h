@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // status: 4 int64 on the device, zeroed per call: {bad, argument id, position, value}.
 // Transfer kernels read status[0] first and write nothing when an index was bad.
@@ -164,4 +164,4 @@ cudaError_t launch_accumulate_rows(char* table, const int64_t* sorted, const cha
                                    const int64_t* perm, int64_t n, int64_t row_elems, Elem elem,
                                    const int64_t* status, Grid grid, cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <atomic>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 // Process-wide, like the GPU it shares: a knob set once (e.g. by a training loop) for every
@@ -15,7 +15,7 @@ std::atomic<int64_t> g_sm_limit{0};
 
 }  // namespace
 
-cuda::Grid transfer_grid(const c10::Device& device, int64_t call_sms) {
+kernels::Grid transfer_grid(const c10::Device& device, int64_t call_sms) {
   const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
   // A call's own cap tightens the process-wide one, never loosens it.
   const int64_t global = g_sm_limit.load();
@@ -33,7 +33,7 @@ int64_t set_transfer_sm_limit(int64_t sms) {
 int64_t set_fused_extra_blocks(int64_t blocks) {
   TORCH_CHECK(blocks >= 0 && blocks <= (int64_t{1} << 20),
               "blocks must be in [0, 2^20] (0 turns the hook off), got ", blocks);
-  return cuda::set_fused_extra_blocks(static_cast<int>(blocks));
+  return kernels::set_fused_extra_blocks(static_cast<int>(blocks));
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -23,9 +23,9 @@
 namespace speedtorch_ops {
 namespace {
 
-using cuda_impl::DeviceIndex;
-using cuda_impl::Pair;
-using cuda_impl::Validation;
+using torch_cuda::DeviceIndex;
+using torch_cuda::Pair;
+using torch_cuda::Validation;
 using route::Path;
 
 void check_index_on(const at::Tensor& index, const char* name, const c10::Device& device) {
@@ -43,7 +43,7 @@ bool capturing(const c10::Device& device) {
 // The tables of one call, addressed for kernels on one device, with the names errors use.
 struct TableSet {
   std::vector<std::string> names;
-  std::vector<cuda_impl::Addressed> at;
+  std::vector<torch_cuda::Addressed> at;
   route::Call call;
 };
 
@@ -51,7 +51,7 @@ TableSet address_all(at::TensorList tables, bool listed, const c10::Device& devi
   TableSet t;
   for (const auto k : c10::irange(tables.size())) {
     t.names.push_back(listed ? "stores[" + std::to_string(k) + "]" : "table");
-    t.at.push_back(cuda_impl::address(tables[k], t.names.back(), device));
+    t.at.push_back(torch_cuda::address(tables[k], t.names.back(), device));
     t.call.add(t.at.back().memory);
     if (t.at.back().memory == route::Memory::kMappedHost) {
       t.call.mapped_span = std::max<int64_t>(t.call.mapped_span, tables[k].nbytes());
@@ -91,7 +91,7 @@ void transfer(at::TensorList tables, at::TensorList batch,
   c10::cuda::CUDAGuard guard(device);
   // A 'prechecked' caller (a store's step of several calls) must not stop halfway for another
   // call's bad index: it is reported to the next call that checks.
-  if (mode != BoundsCheck::kPrechecked) cuda_impl::raise_deferred(device);
+  if (mode != BoundsCheck::kPrechecked) torch_cuda::raise_deferred(device);
   const auto& any_index = writeback_index ? *writeback_index : *load_index;
   TORCH_CHECK(!writeback_index || !load_index ||
               writeback_index->device() == load_index->device(),
@@ -114,8 +114,8 @@ void transfer(at::TensorList tables, at::TensorList batch,
   t.call.writeback_rows = n_wb;
   t.call.moved_bytes = (n_wb + n_load) * total_rb;
   t.call.row_bytes = widest_rb;
-  t.call.hybrid_share = cuda_impl::fixed_share();
-  t.call.hybrid_min_span = cuda_impl::hybrid_min_span();
+  t.call.hybrid_share = torch_cuda::fixed_share();
+  t.call.hybrid_min_span = torch_cuda::hybrid_min_span();
   const Path path = route::route(t.call);
   raise_if_refused(path, t, device);
 
@@ -131,20 +131,20 @@ void transfer(at::TensorList tables, at::TensorList batch,
   // the current stream, as the CPU side must before it touches the rows anyway) and check
   // the values there.
   if (route::reads_index_on_host(path)) {
-    cuda_impl::hybrid_transfer(tables.vec(), pairs, writeback_index, load_index, accumulate,
+    torch_cuda::hybrid_transfer(tables.vec(), pairs, writeback_index, load_index, accumulate,
                                path, device, {min_rows, wb_name, load_name});
     return;
   }
   // A write-back alone by a CUDA index into tables in device memory: one kernel does it all,
   // as such a call's time is the host's time to queue the separate kernels.
   if (path == Path::kDevice && writeback_index && !load_index && writeback_index->is_cuda() &&
-      !accumulate && cuda_impl::can_scatter_fused(pairs, n_wb, min_rows, t.call.moved_bytes,
+      !accumulate && torch_cuda::can_scatter_fused(pairs, n_wb, min_rows, t.call.moved_bytes,
                                                  t.call.capturing, device) &&
-      cuda_impl::scatter_fused(pairs, *writeback_index, min_rows, wb_name,
-                               cuda_impl::report_for(mode, t.call.capturing), device)) {
+      torch_cuda::scatter_fused(pairs, *writeback_index, min_rows, wb_name,
+                               torch_cuda::report_for(mode, t.call.capturing), device)) {
     return;
   }
-  Validation v(device, cuda_impl::report_for(mode, t.call.capturing));
+  Validation v(device, torch_cuda::report_for(mode, t.call.capturing));
   const auto on_device = [&](const std::optional<at::Tensor>& index, const char* name) {
     std::optional<DeviceIndex> di;
     if (!index) return di;
@@ -162,8 +162,8 @@ void transfer(at::TensorList tables, at::TensorList batch,
   auto load = on_device(load_index, load_name);
   // Per pair, the write-back is queued before the load on the same stream, so a row in both
   // indices is written back before it is loaded.
-  if (wb) cuda_impl::scatter_pairs(pairs, *wb, path, tables[0], accumulate, v);
-  if (load) cuda_impl::gather_pairs(pairs, *load, path, v);
+  if (wb) torch_cuda::scatter_pairs(pairs, *wb, path, tables[0], accumulate, v);
+  if (load) torch_cuda::gather_pairs(pairs, *load, path, v);
   v.raise_if_bad();
 }
 
@@ -232,8 +232,8 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   TORCH_CHECK(device.is_cuda(), "parts are on ", device, " but table is on the GPU; put the "
               "parts and both indices on the table's GPU");
   c10::cuda::CUDAGuard guard(device);
-  if (mode != BoundsCheck::kPrechecked) cuda_impl::raise_deferred(device);
-  const auto at = cuda_impl::address(table, "table", device);
+  if (mode != BoundsCheck::kPrechecked) torch_cuda::raise_deferred(device);
+  const auto at = torch_cuda::address(table, "table", device);
   route::Call call;
   call.add(at.memory);
   call.index_on_device = call.rows_on_device = call.presorted = true;
@@ -253,16 +253,16 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
     pairs.push_back({at.rows + static_cast<int64_t>(k) * pb,
                      static_cast<char*>(parts[k].mutable_data_ptr()), pb, rb});
   }
-  Validation v(device, cuda_impl::report_for(mode, call.capturing), sms);
+  Validation v(device, torch_cuda::report_for(mode, call.capturing), sms);
   // A count stays on the device: the kernels read it, the host never does.
   const int64_t* limit = count ? count->const_data_ptr<int64_t>() : nullptr;
   auto rows = v.add(sorted_rows, table.size(0), "sorted_rows", limit);
   auto pos = v.add(slots, parts[0].size(0), "slots", limit);
   auto index = DeviceIndex::presorted(rows, pos, limit);
   if (load) {
-    cuda_impl::gather_pairs(pairs, index, path, v);
+    torch_cuda::gather_pairs(pairs, index, path, v);
   } else {
-    cuda_impl::scatter_pairs(pairs, index, path, table, /*accumulate=*/false, v);
+    torch_cuda::scatter_pairs(pairs, index, path, table, /*accumulate=*/false, v);
   }
   v.raise_if_bad();
 }

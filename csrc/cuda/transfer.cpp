@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <limits>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 
@@ -16,9 +16,9 @@ namespace {
 // scatter (table <- batch) direction.
 template <typename Go>
 void for_each_group(const std::vector<Pair>& pairs, bool to_batch, const Go& go) {
-  for (size_t first = 0; first < pairs.size(); first += cuda::kMaxTables) {
-    cuda::Tables t{};
-    t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
+  for (size_t first = 0; first < pairs.size(); first += kernels::kMaxTables) {
+    kernels::Tables t{};
+    t.count = static_cast<int>(std::min<size_t>(kernels::kMaxTables, pairs.size() - first));
     for (int k = 0; k < t.count; ++k) {
       const Pair& p = pairs[first + k];
       if (to_batch) {
@@ -34,18 +34,18 @@ void for_each_group(const std::vector<Pair>& pairs, bool to_batch, const Go& go)
 
 }  // namespace
 
-cuda::Elem elem_of(at::ScalarType t) {
+kernels::Elem elem_of(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return cuda::Elem::kF32;
-    case at::kDouble: return cuda::Elem::kF64;
-    case at::kHalf: return cuda::Elem::kF16;
-    case at::kBFloat16: return cuda::Elem::kBF16;
-    case at::kChar: return cuda::Elem::kI8;
-    case at::kByte: return cuda::Elem::kU8;
-    case at::kShort: return cuda::Elem::kI16;
-    case at::kInt: return cuda::Elem::kI32;
-    case at::kLong: return cuda::Elem::kI64;
-    case at::kBool: return cuda::Elem::kBool;
+    case at::kFloat: return kernels::Elem::kF32;
+    case at::kDouble: return kernels::Elem::kF64;
+    case at::kHalf: return kernels::Elem::kF16;
+    case at::kBFloat16: return kernels::Elem::kBF16;
+    case at::kChar: return kernels::Elem::kI8;
+    case at::kByte: return kernels::Elem::kU8;
+    case at::kShort: return kernels::Elem::kI16;
+    case at::kInt: return kernels::Elem::kI32;
+    case at::kLong: return kernels::Elem::kI64;
+    case at::kBool: return kernels::Elem::kBool;
     default: TORCH_INTERNAL_ASSERT(false, "unchecked element dtype ", t);
   }
 }
@@ -92,10 +92,10 @@ std::pair<at::Tensor, at::Tensor> sort_rows(const at::Tensor& rows,
   auto keys_out = at::empty_like(rows);
   auto values_out = at::empty_like(values);
   size_t temp_bytes = 0;
-  C10_CUDA_CHECK(cuda::sort_pairs(nullptr, &temp_bytes, nullptr, nullptr, nullptr, nullptr, n,
+  C10_CUDA_CHECK(kernels::sort_pairs(nullptr, &temp_bytes, nullptr, nullptr, nullptr, nullptr, n,
                                   bits, stream));
   auto temp = at::empty({static_cast<int64_t>(temp_bytes)}, rows.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::sort_pairs(temp.mutable_data_ptr(), &temp_bytes,
+  C10_CUDA_CHECK(kernels::sort_pairs(temp.mutable_data_ptr(), &temp_bytes,
                                   rows.const_data_ptr<int64_t>(),
                                   keys_out.mutable_data_ptr<int64_t>(),
                                   values.const_data_ptr<int64_t>(),
@@ -117,14 +117,14 @@ void gather_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pat
                   const Validation& v) {
   const int64_t n = index.size();
   if (n == 0) return;
-  for_each_group(pairs, /*to_batch=*/true, [&](const cuda::Tables& t) {
+  for_each_group(pairs, /*to_batch=*/true, [&](const kernels::Tables& t) {
     if (path == route::Path::kZeroCopySorted) {
-      C10_CUDA_CHECK(cuda::launch_gather_sorted(t, index.sorted().const_data_ptr<int64_t>(),
+      C10_CUDA_CHECK(kernels::launch_gather_sorted(t, index.sorted().const_data_ptr<int64_t>(),
                                                 index.sorted_slots().const_data_ptr<int64_t>(), n,
                                                 v.status(), v.grid(), v.stream(), index.limit()));
     } else {
-      C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.slots(), index.rows().const_data_ptr<int64_t>(),
-                                            n, false, cuda::LastOf{}, v.status(), v.grid(), v.stream(),
+      C10_CUDA_CHECK(kernels::launch_copy_rows(t, index.slots(), index.rows().const_data_ptr<int64_t>(),
+                                            n, false, kernels::LastOf{}, v.status(), v.grid(), v.stream(),
                                             index.limit()));
     }
   });
@@ -137,23 +137,23 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
   if (accumulate) {
     TORCH_INTERNAL_ASSERT(pairs.size() == 1 && index.limit() == nullptr);
     const Pair& p = pairs[0];
-    C10_CUDA_CHECK(cuda::launch_accumulate_rows(
+    C10_CUDA_CHECK(kernels::launch_accumulate_rows(
         p.table, index.sorted().const_data_ptr<int64_t>(), p.batch,
         index.sorted_slots().const_data_ptr<int64_t>(), n, p.row_bytes / like.element_size(),
         elem_of(like.scalar_type()), v.status(), v.grid(), v.stream()));
     return;
   }
   if (path != route::Path::kZeroCopySorted && index.slots() == nullptr &&
-      index.limit() == nullptr && cuda::can_mark_last(n, index.bound())) {
+      index.limit() == nullptr && kernels::can_mark_last(n, index.bound())) {
     const auto& rows = index.rows();
     const int64_t bound = index.bound();
-    auto scratch = at::empty({cuda::last_of_bytes(n, bound)}, rows.options().dtype(at::kByte));
-    cuda::LastOf last_of;
-    C10_CUDA_CHECK(cuda::launch_mark_last(rows.const_data_ptr<int64_t>(), n, bound,
+    auto scratch = at::empty({kernels::last_of_bytes(n, bound)}, rows.options().dtype(at::kByte));
+    kernels::LastOf last_of;
+    C10_CUDA_CHECK(kernels::launch_mark_last(rows.const_data_ptr<int64_t>(), n, bound,
                                           scratch.mutable_data_ptr(), v.status(), v.stream(),
                                           &last_of));
-    for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
-      C10_CUDA_CHECK(cuda::launch_copy_rows(t, rows.const_data_ptr<int64_t>(), nullptr, n,
+    for_each_group(pairs, /*to_batch=*/false, [&](const kernels::Tables& t) {
+      C10_CUDA_CHECK(kernels::launch_copy_rows(t, rows.const_data_ptr<int64_t>(), nullptr, n,
                                             /*last_of_run=*/false, last_of, v.status(), v.grid(),
                                             v.stream()));
     });
@@ -162,10 +162,10 @@ void scatter_pairs(const std::vector<Pair>& pairs, DeviceIndex& index, route::Pa
   // Writes routed in sorted order (huge host-mapped tables, where PCIe writes in address order
   // beat the row-rate cap of random ones), and rows given with their slots or a limit: the
   // last position of each run of equal rows writes it.
-  for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
-    C10_CUDA_CHECK(cuda::launch_copy_rows(t, index.sorted().const_data_ptr<int64_t>(),
+  for_each_group(pairs, /*to_batch=*/false, [&](const kernels::Tables& t) {
+    C10_CUDA_CHECK(kernels::launch_copy_rows(t, index.sorted().const_data_ptr<int64_t>(),
                                           index.sorted_slots().const_data_ptr<int64_t>(), n,
-                                          /*last_of_run=*/true, cuda::LastOf{}, v.status(), v.grid(),
+                                          /*last_of_run=*/true, kernels::LastOf{}, v.status(), v.grid(),
                                           v.stream(), index.limit()));
   });
 }
@@ -180,21 +180,21 @@ constexpr int64_t kFusedMaxPositions = int64_t{1} << 20;
 bool can_scatter_fused(const std::vector<Pair>& pairs, int64_t n, int64_t rows,
                        int64_t moved_bytes, bool capturing, const c10::Device& device) {
   return n > 0 && n <= kFusedMaxPositions && moved_bytes <= kFusedMaxBytes &&
-         cuda::can_mark_last(n, rows) && !capturing &&
-         pairs.size() <= static_cast<size_t>(cuda::kMaxTables) &&
-         !transfer_grid(device).capped && cuda::fused_scatter_supported(device.index());
+         kernels::can_mark_last(n, rows) && !capturing &&
+         pairs.size() <= static_cast<size_t>(kernels::kMaxTables) &&
+         !transfer_grid(device).capped && kernels::fused_scatter_supported(device.index());
 }
 
 bool scatter_fused(const std::vector<Pair>& pairs, const at::Tensor& index, int64_t rows,
                    const char* name, Report report, const c10::Device& device) {
-  TORCH_INTERNAL_ASSERT(pairs.size() <= static_cast<size_t>(cuda::kMaxTables));
+  TORCH_INTERNAL_ASSERT(pairs.size() <= static_cast<size_t>(kernels::kMaxTables));
   const auto idx = index.to(at::kLong).contiguous();
   const int64_t n = idx.numel();
-  auto v = Validation::fused(device, report, cuda::last_of_bytes(n, rows));
-  const cuda::Deferred deferred = v.add_checked_by_kernel(name, rows);
+  auto v = Validation::fused(device, report, kernels::last_of_bytes(n, rows));
+  const kernels::Deferred deferred = v.add_checked_by_kernel(name, rows);
   cudaError_t err = cudaSuccess;
-  for_each_group(pairs, /*to_batch=*/false, [&](const cuda::Tables& t) {
-    err = cuda::launch_scatter_fused(t, idx.const_data_ptr<int64_t>(), n, rows, /*arg=*/0,
+  for_each_group(pairs, /*to_batch=*/false, [&](const kernels::Tables& t) {
+    err = kernels::launch_scatter_fused(t, idx.const_data_ptr<int64_t>(), n, rows, /*arg=*/0,
                                      v.scratch(), v.mutable_status(), deferred, device.index(),
                                      v.grid().sms, v.stream());
   });
@@ -209,4 +209,4 @@ bool scatter_fused(const std::vector<Pair>& pairs, const at::Tensor& index, int6
   return true;
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // The kernels' element type of a tensor dtype (one the caller checked).
-cuda::Elem elem_of(at::ScalarType t);
+kernels::Elem elem_of(at::ScalarType t);
 
 // One store and its batch-sized tensor, as device-visible addresses.
 struct Pair {
@@ -103,4 +103,4 @@ bool can_scatter_fused(const std::vector<Pair>& pairs, int64_t n, int64_t rows,
 bool scatter_fused(const std::vector<Pair>& pairs, const at::Tensor& index, int64_t rows,
                    const char* name, Report report, const c10::Device& device);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -11,7 +11,7 @@
 
 #include <array>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // How a call reports a bad CUDA index (every way writes nothing).
 enum class Report {
@@ -30,7 +30,7 @@ class Validation {
   Validation(const c10::Device& device, Report report, int64_t sms = 0);
 
   // @brief For a call whose one CUDA index a fused kernel checks itself
-  // (cuda::launch_scatter_fused): the status and that kernel's `scratch_bytes` of scratch are
+  // (kernels::launch_scatter_fused): the status and that kernel's `scratch_bytes` of scratch are
   // one allocation, and the kernel zeroes the status (no memset queued here).
   static Validation fused(const c10::Device& device, Report report, int64_t scratch_bytes);
 
@@ -42,14 +42,14 @@ class Validation {
   // @brief Records that the fused kernel checks the call's only index, called `name`, against
   // `rows` (its argument id in the status: 0); the deferred record that kernel fills for a bad
   // value.
-  cuda::Deferred add_checked_by_kernel(const char* name, int64_t rows);
+  kernels::Deferred add_checked_by_kernel(const char* name, int64_t rows);
 
   const int64_t* status() const { return status_.const_data_ptr<int64_t>(); }
   int64_t* mutable_status() { return status_.mutable_data_ptr<int64_t>(); }
   // The fused kernel's scratch (Validation::fused), after the status words.
-  void* scratch() { return status_.mutable_data_ptr<int64_t>() + cuda::kStatusWords; }
+  void* scratch() { return status_.mutable_data_ptr<int64_t>() + kernels::kStatusWords; }
   at::cuda::CUDAStream stream() const { return stream_; }
-  cuda::Grid grid() const { return grid_; }
+  kernels::Grid grid() const { return grid_; }
 
   // @brief Raises for a bad index, naming it. Waits for this stream only, and only when the
   // call reports by waiting and added an index.
@@ -57,17 +57,17 @@ class Validation {
 
  private:
   at::cuda::CUDAStream stream_;
-  cuda::Grid grid_;
+  kernels::Grid grid_;
   at::Tensor status_;
   c10::Device device_;
   Report report_;
   // A status of `words` int64 words, not zeroed.
   Validation(const c10::Device& device, Report report, int64_t sms, int64_t words);
   // The deferred record a kernel fills for a bad value of `name` (none unless deferred).
-  cuda::Deferred deferred_for(const char* name) const;
+  kernels::Deferred deferred_for(const char* name) const;
   std::array<const char*, 2> names_{};
   std::array<int64_t, 2> rows_{};
   int count_ = 0;
 };
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 constexpr int kWarp = 32;
@@ -75,4 +75,4 @@ cudaError_t launch_gather_staged(Elem elem, const void* rows, int64_t row_stride
   return with_float_elem(elem, go);
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // out (n x dim, contiguous, elem: F32, F64, F16, BF16): out[p] = the row of distinct row
 // r = index[p]: cache row at[r] when a cache is given and 0 <= at[r] < slots, else rows row r
@@ -19,4 +19,4 @@ cudaError_t launch_gather_staged(Elem elem, const void* rows, int64_t row_stride
                                int64_t cache_stride, int64_t slots, const int64_t* at,
                                void* out, cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

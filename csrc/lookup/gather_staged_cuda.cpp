@@ -20,8 +20,8 @@ at::Tensor gather_staged_cuda(const at::Tensor& rows, const at::Tensor& index,
   const c10::cuda::CUDAGuard guard(rows.device());
   auto out = at::empty({index.numel(), rows.size(1)}, rows.options());
   const bool cached = cache.has_value();
-  C10_CUDA_CHECK(cuda::launch_gather_staged(
-      cuda_impl::elem_of(rows.scalar_type()), rows.const_data_ptr(), rows.stride(0),
+  C10_CUDA_CHECK(kernels::launch_gather_staged(
+      torch_cuda::elem_of(rows.scalar_type()), rows.const_data_ptr(), rows.stride(0),
       rows.size(1), index.const_data_ptr<int64_t>(), index.numel(),
       cached ? cache->const_data_ptr() : nullptr, cached ? cache->stride(0) : 0,
       cached ? cache->size(0) : 0, cached ? at->const_data_ptr<int64_t>() : nullptr,

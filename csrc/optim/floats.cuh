@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // Math in float for 16- and 32-bit values, double for double.
 template <class V> struct Math { using type = float; };
@@ -104,4 +104,4 @@ template <class F> cudaError_t with_float_elem(Elem elem, F&& go) {
   }
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

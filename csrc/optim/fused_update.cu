@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 constexpr int kWarp = 32;
@@ -151,4 +151,4 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
   return with_float_elem(elem, go);
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

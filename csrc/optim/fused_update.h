@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // A staged buffer of parts of n rows of `width` elements (elem: F32, F64, F16, BF16), each
 // part contiguous, part k at buf + k * part_stride; grad (at least min(n, *count) rows of dim elements, contiguous, buf's type).
@@ -30,4 +30,4 @@ cudaError_t launch_fused_row_update(Elem elem, void* buf, int64_t n, int64_t par
                                     int64_t at_len, const int64_t* rounding,
                                     cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

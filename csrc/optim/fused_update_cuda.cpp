@@ -35,8 +35,8 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
   }
   int parts[3] = {0, 0, 0};
   for (size_t k = 0; k < state_parts.size(); ++k) parts[k] = static_cast<int>(state_parts[k]);
-  C10_CUDA_CHECK(cuda::launch_fused_row_update(
-      cuda_impl::elem_of(buf.scalar_type()), buf.mutable_data_ptr(), buf.size(1), buf.stride(0),
+  C10_CUDA_CHECK(kernels::launch_fused_row_update(
+      torch_cuda::elem_of(buf.scalar_type()), buf.mutable_data_ptr(), buf.size(1), buf.stride(0),
       buf.size(2), grad.size(1), grad.const_data_ptr(), count.const_data_ptr<int64_t>(), rule, h,
       step_ptr, step_f64, parts, static_cast<int>(state_parts.size()),
       cache.has_value() ? cache->mutable_data_ptr() : nullptr,

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <type_traits>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 constexpr int kThreads = 256;
@@ -42,4 +42,4 @@ cudaError_t launch_round_into(Elem elem, void* dst, const float* src, int64_t n,
   });
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // dst[i] = src[i] (n float32 values) in dst's type (elem: F32, F64, F16, BF16), 16-bit types
 // rounded stochastically under (rounding[0], rounding[1]), read on the device (rounding.h's
@@ -16,4 +16,4 @@ namespace speedtorch_ops::cuda {
 cudaError_t launch_round_into(Elem elem, void* dst, const float* src, int64_t n,
                               const int64_t* rounding, cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -16,8 +16,8 @@ namespace {
 void round_into_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& rounding) {
   check_round_into_args(dst, src, rounding);
   const c10::cuda::CUDAGuard guard(dst.device());
-  C10_CUDA_CHECK(cuda::launch_round_into(
-      cuda_impl::elem_of(dst.scalar_type()), dst.mutable_data_ptr(), src.const_data_ptr<float>(),
+  C10_CUDA_CHECK(kernels::launch_round_into(
+      torch_cuda::elem_of(dst.scalar_type()), dst.mutable_data_ptr(), src.const_data_ptr<float>(),
       src.numel(), rounding.const_data_ptr<int64_t>(),
       at::cuda::getCurrentCUDAStream(dst.device().index())));
 }

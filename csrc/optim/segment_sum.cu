@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 constexpr int kWarp = 32;
@@ -209,4 +209,4 @@ cudaError_t launch_segment_sum(Elem elem, const GradPieces& grad, int64_t n_pos,
   return with_float_elem(elem, go);
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

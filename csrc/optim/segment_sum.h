@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // Positions a chunk of the sorted positions: one warp sums a chunk's rows.
 constexpr int64_t kSegmentChunk = 32;
@@ -39,4 +39,4 @@ cudaError_t launch_segment_sum(Elem elem, const GradPieces& grad, int64_t n_pos,
                                const int64_t* count, void* out, int64_t rows, bool zero_tail,
                                void* scratch, cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

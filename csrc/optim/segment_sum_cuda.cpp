@@ -23,14 +23,14 @@ at::Tensor segment_sum_cuda(at::TensorList grads, const at::Tensor& perm,
   const c10::cuda::CUDAGuard guard(perm.device());
   // More pieces than a kernel argument holds are joined into one (a copy of the gradient).
   std::vector<at::Tensor> joined;
-  if (grads.size() > static_cast<size_t>(cuda::kMaxGradPieces)) {
+  if (grads.size() > static_cast<size_t>(kernels::kMaxGradPieces)) {
     joined.push_back(at::cat(grads));
     grads = joined;
   }
   const at::Tensor& first = grads[0];
-  const auto elem = cuda_impl::elem_of(first.scalar_type());
+  const auto elem = torch_cuda::elem_of(first.scalar_type());
   const int64_t n_pos = perm.numel(), dim = first.size(1);
-  cuda::GradPieces pieces{};
+  kernels::GradPieces pieces{};
   int64_t end = 0;
   for (const at::Tensor& g : grads) {
     pieces.ptr[pieces.count] = g.const_data_ptr();
@@ -39,10 +39,10 @@ at::Tensor segment_sum_cuda(at::TensorList grads, const at::Tensor& perm,
     ++pieces.count;
   }
   auto out = at::empty({rows, dim}, first.options());
-  const size_t bytes = cuda::segment_sum_scratch_bytes(elem, n_pos, dim);
+  const size_t bytes = kernels::segment_sum_scratch_bytes(elem, n_pos, dim);
   auto scratch = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
                            first.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::launch_segment_sum(
+  C10_CUDA_CHECK(kernels::launch_segment_sum(
       elem, pieces, n_pos, dim, perm.const_data_ptr<int64_t>(), starts.const_data_ptr<int64_t>(),
       starts.numel() - 1, count.const_data_ptr<int64_t>(), out.mutable_data_ptr(), rows,
       zero_tail, scratch.mutable_data_ptr(),

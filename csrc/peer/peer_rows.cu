@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 namespace {
 
 constexpr int kWarp = 32;
@@ -71,4 +71,4 @@ cudaError_t launch_peer_rows(const int64_t* ptrs, int64_t offset, const int64_t*
   });
 }
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace speedtorch_ops::cuda {
+namespace speedtorch_ops::kernels {
 
 // out (n rows of row_bytes, contiguous): out[i] = the row_bytes at address
 // ptrs[rank_of[i]] + offset + row_of[i] * row_bytes, or zeros where row_of[i] < 0. ptrs (on the
@@ -18,4 +18,4 @@ cudaError_t launch_peer_rows(const int64_t* ptrs, int64_t offset, const int64_t*
                              const int64_t* row_of, int64_t n, int64_t row_bytes, void* out,
                              cudaStream_t stream);
 
-}  // namespace speedtorch_ops::cuda
+}  // namespace speedtorch_ops::kernels

@@ -17,7 +17,7 @@ at::Tensor peer_rows_cuda(const at::Tensor& ptrs, int64_t offset, const at::Tens
   check_peer_rows_args(ptrs, offset, rank_of, row_of, dim);
   const c10::cuda::CUDAGuard guard(rank_of.device());
   auto out = at::empty({row_of.numel(), dim}, rank_of.options().dtype(dtype));
-  C10_CUDA_CHECK(cuda::launch_peer_rows(
+  C10_CUDA_CHECK(kernels::launch_peer_rows(
       ptrs.const_data_ptr<int64_t>(), offset, rank_of.const_data_ptr<int64_t>(),
       row_of.const_data_ptr<int64_t>(), row_of.numel(), dim * out.element_size(),
       out.mutable_data_ptr(), at::cuda::getCurrentCUDAStream(rank_of.device().index())));

@@ -29,7 +29,7 @@
 #include <mutex>
 #include <utility>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -405,4 +405,4 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
   }
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

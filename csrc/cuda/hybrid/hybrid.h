@@ -12,7 +12,7 @@
 #include <optional>
 #include <vector>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // What the indices' values are checked against, and the names errors give them.
 struct IndexCheck {
@@ -33,4 +33,4 @@ void hybrid_transfer(const std::vector<at::Tensor>& tables, const std::vector<Pa
                      const std::optional<at::Tensor>& load_index, bool accumulate,
                      route::Path path, const c10::Device& device, const IndexCheck& check);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

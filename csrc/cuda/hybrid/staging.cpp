@@ -8,7 +8,7 @@
 #include <map>
 #include <memory>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 // Bytes per CPU chunk: the CPU gathers (or scatters) one chunk while the copy engine moves the
@@ -124,17 +124,17 @@ void Staging::copy_batch(const std::vector<Pair>& pairs, int64_t b, int64_t len,
 void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch,
                  const int64_t* pos, int64_t n, const Validation& v,
                  const at::cuda::CUDAStream& stream) {
-  for (size_t first = 0; first < pairs.size(); first += cuda::kMaxTables) {
-    cuda::Tables t{};
-    t.count = static_cast<int>(std::min<size_t>(cuda::kMaxTables, pairs.size() - first));
+  for (size_t first = 0; first < pairs.size(); first += kernels::kMaxTables) {
+    kernels::Tables t{};
+    t.count = static_cast<int>(std::min<size_t>(kernels::kMaxTables, pairs.size() - first));
     for (int k = 0; k < t.count; ++k) {
       char* block = staging.device_block(first + k);
       char* batch = pairs[first + k].batch;
       t.set(k, to_batch ? batch : block, to_batch ? block : batch, pairs[first + k].row_bytes);
     }
-    C10_CUDA_CHECK(cuda::launch_copy_rows(t, to_batch ? pos : nullptr, to_batch ? nullptr : pos, n,
-                                          false, cuda::LastOf{}, v.status(), v.grid(), stream));
+    C10_CUDA_CHECK(kernels::launch_copy_rows(t, to_batch ? pos : nullptr, to_batch ? nullptr : pos, n,
+                                          false, kernels::LastOf{}, v.status(), v.grid(), stream));
   }
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

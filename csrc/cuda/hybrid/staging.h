@@ -12,7 +12,7 @@
 #include <optional>
 #include <vector>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // What the hybrid calls on one device share: the pinned staging areas and the event that marks
 // the end of the last call's work. Calls on a device run one at a time (they share the copy
@@ -73,4 +73,4 @@ void move_blocks(const std::vector<Pair>& pairs, Staging& staging, bool to_batch
                  const int64_t* pos, int64_t n, const Validation& v,
                  const at::cuda::CUDAStream& stream);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

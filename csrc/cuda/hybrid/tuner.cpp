@@ -13,7 +13,7 @@
 #include <mutex>
 #include <optional>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 namespace {
 
 std::atomic<double> g_fixed_share{-1.0};
@@ -121,4 +121,4 @@ int64_t set_hybrid_min_span(int64_t bytes) {
   return g_min_span.exchange(bytes);
 }
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda

@@ -10,7 +10,7 @@
 #include <memory>
 #include <tuple>
 
-namespace speedtorch_ops::cuda_impl {
+namespace speedtorch_ops::torch_cuda {
 
 // A shape of call: device, directions, and log2 buckets of rows, row bytes, table span and
 // the CPU threads.
@@ -57,4 +57,4 @@ int64_t hybrid_min_span();
 // Returns the previous setting (0: the default).
 int64_t set_hybrid_min_span(int64_t bytes);
 
-}  // namespace speedtorch_ops::cuda_impl
+}  // namespace speedtorch_ops::torch_cuda
