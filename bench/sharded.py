@@ -230,8 +230,8 @@ def exchange_bytes(a, world, ebc) -> dict:
 def timed_steps(a, data, run, host_bytes, sync) -> tuple:
     """(the median step of a.repeats windows of a.steps / a.repeats steps of `run` after
     a.warmup, in seconds; every window's; the host-link bytes a step). `host_bytes()`: the
-    run's bytes over the link so far. Several windows, each ended by a sync: one window of a
-    second or less took a slow moment of the machine (the runs of a call spread by 2x) whole."""
+    run's bytes over the link so far. Several windows, each ended by a sync, so that a slow
+    moment of the machine spoils one window, not the run."""
     for i in range(a.warmup):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
     sync()
@@ -268,14 +268,14 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
         from torch.profiler import ProfilerActivity, profile
         rank = dist.get_rank() if dist.is_initialized() else 0
         name = f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}"
-        for path, steps in ((a.profile, 20), (a.trace, 3)):
+        for path, steps, timeline in ((a.profile, 20, False), (a.trace, 3, True)):
             if not path:
                 continue
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for i in range(steps):
                     step(i)
                 sync()
-            if path is a.trace:
+            if timeline:
                 prof.export_chrome_trace(f"{path}-{name}.json.gz")
             else:
                 with open(f"{path}-{name}.txt", "w") as f:
