@@ -180,10 +180,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         if self.world == 1 or exchange == "collective":
             return None
         ok = self.comm_device.type == "cuda" and peer.available()
-        staged = self.device
-        if staged.type == "cuda" and staged.index is None:  # "cuda": the current GPU
-            staged = torch.device("cuda", torch.cuda.current_device())
-        if ok and staged != self.comm_device:
+        if ok and self.device != self.comm_device:  # the groups resolved "cuda" to a GPU
             if exchange == "peer":
                 raise ValueError(f"device: exchange='peer' stages the rows on the group's GPU "
                                  f"{self.comm_device}, got {self.device}")
