@@ -141,7 +141,7 @@ def big_table_case(buf, span_gib, row_bytes, n, gen, device):
 
 
 # Untimed calls of a hybrid route before it is timed: its split's search times a shape's first
-# 20 calls at the CPU side alone, then settles within 56 (csrc/cuda/hybrid/share_search.h).
+# 20 calls at the CPU side alone, then settles within 56 (csrc/hybrid/share_search.h).
 HYBRID_SETTLE_CALLS = 60
 
 

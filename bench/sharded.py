@@ -68,8 +68,9 @@ def parse(argv=None):
     p.add_argument("--exchange", nargs="+", choices=["auto", "collective", "peer"],
                    default=["auto"], help="the sharded collection's exchanges, each measured "
                    "(at 2+ ranks)")
-    p.add_argument("--ids", choices=["host", "device"], default="device",
-                   help="collection: where a captured step's ids come from. device "
+    p.add_argument("--ids", nargs="+", choices=["host", "device"], default=["device"],
+                   help="collection: where a captured step's ids come from, each measured on "
+                        "the same module and graph (the first is the run's time). device "
                         "(default): checked on the GPU, so each call waits for the step before "
                         "it (CapturedStep's one wait); host (as the demo's engine): checked on "
                         "the host and uploaded in one copy, the host running ahead")
@@ -248,22 +249,53 @@ def timed_steps(a, data, run, host_bytes, sync) -> tuple:
     return float(np.median(windows)), windows, (host_bytes() - host0) / (i - a.warmup)
 
 
+def gaps(a, data, run, device, steps: int = 50) -> dict:
+    """Where a step's time goes between the host and the GPU, over `steps` more steps (medians,
+    ms): the host's time in a call (`host_call_ms`); the stream's time from a call's first work
+    to its last (`gpu_span_ms`: the step's kernels, and any wait inside it for a peer); and the
+    stream's idle time before the next call's first work (`gpu_idle_ms`: waiting for the host).
+    Events recorded around each call on the current stream."""
+    if device.type != "cuda":
+        return {}
+    stream = torch.cuda.current_stream(device)
+    marks, calls = [], []
+    for i in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        start.record(stream)
+        run.step(data[i % len(data)], data[(i + 1) % len(data)])
+        end.record(stream)
+        calls.append(time.perf_counter() - t)
+        marks.append((start, end))
+    torch.cuda.synchronize(device)
+    span = [s.elapsed_time(e) for s, e in marks]
+    idle = [e.elapsed_time(s) for (_, e), (s, _) in zip(marks, marks[1:])]
+    return {"host_call_ms": float(np.median(calls)) * 1e3, "gpu_span_ms": float(np.median(span)),
+            "gpu_idle_ms": float(np.median(idle))}
+
+
 def timing(a, world: int, step_s: float, windows: list) -> dict:
     """A run's step time and samples/s from its median window, and every window's step ms."""
     return {"step_ms": step_s * 1e3, "samples_per_s": world * a.batch / step_s,
             "step_ms_windows": [w * 1e3 for w in windows]}
 
 
-def measure_collection(a, data, device, world, sharded: bool, exchange: str = "auto") -> dict:
+def measure_collection(a, inputs: dict, device, world, sharded: bool,
+                       exchange: str = "auto") -> dict:
+    """One collection trained on each of `inputs` (ids mode: batches) in turn, the same module
+    and graph; the first mode's time is the run's, every mode's is in `by_ids`."""
     run = CollectionStep(a, device, sharded, exchange)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    data = next(iter(inputs.values()))
 
     def step(i):
         run.step(data[i % len(data)], data[(i + 1) % len(data)])
 
-    step_s, windows, host = timed_steps(a, data, run,
-                                        lambda: run.ebc.cache_stats()["total"]["host_bytes"],
-                                        sync)
+    by_ids = {}
+    for mode, batches_ in inputs.items():
+        step_s, windows, host = timed_steps(
+            a, batches_, run, lambda: run.ebc.cache_stats()["total"]["host_bytes"], sync)
+        by_ids[mode] = {**timing(a, world, step_s, windows), **gaps(a, batches_, run, device)}
     if device.type == "cuda" and (a.profile or a.trace):
         from torch.profiler import ProfilerActivity, profile
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -282,7 +314,7 @@ def measure_collection(a, data, device, world, sharded: bool, exchange: str = "a
                     f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
                                                       max_name_column_width=70))
     stats = run.ebc.cache_stats()["total"]
-    result = {**timing(a, world, step_s, windows),
+    result = {**next(iter(by_ids.values())), "by_ids": by_ids,
               "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
               "exchange": getattr(run.ebc, "exchange", "collective"),
               "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
@@ -310,12 +342,13 @@ def measure_modules_captured(a, data, device) -> dict:
     step_s, windows, host = timed_steps(
         a, data, run, lambda: sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v)),
         lambda: torch.cuda.synchronize(device))
+    where = gaps(a, data, run, device)
     stats = [emb.cache_stats() for emb in (run.u, run.v)]
     hits, lookups = sum(s["hits"] for s in stats), sum(s["lookups"] for s in stats)
     del run
     gc.collect()
     torch.cuda.empty_cache()
-    return {**timing(a, 1, step_s, windows),
+    return {**timing(a, 1, step_s, windows), **where,
             "hit_rate": hits / lookups if lookups else 0.0, "graph": True,
             "bytes_per_step": {"host_link": host, "ids": 0, "rows": 0, "grads": 0}}
 
@@ -335,8 +368,10 @@ def run_rank(a, rank, world, local_rank):
     if "collection" in a.engine:
         # A step's inputs: host ids for a captured step with --ids host (CapturedStep checks
         # and uploads them), else ids on the device.
-        host = device.type == "cuda" and not a.eager and a.ids == "host"
-        inputs = data if host else [tuple(x.to(device) for x in b) for b in data]
+        captured = device.type == "cuda" and not a.eager
+        inputs = {m: data if captured and m == "host" else
+                  [tuple(x.to(device) for x in b) for b in data]
+                  for m in (a.ids if captured else a.ids[:1])}
         for x in a.exchange if world > 1 else a.exchange[:1]:
             result[f"collection_{x}"] = measure_collection(a, inputs, device, world,
                                                           sharded=True, exchange=x)
@@ -422,6 +457,12 @@ def report_collection(a, results):
                      if x.get("step_ms_per_rank") else "")
                   + (f"  {x['speedup_vs_best_one_gpu']:.2f}x best one GPU"
                      if "speedup_vs_best_one_gpu" in x else ""))
+            for mode, y in (x.get("by_ids") or {"": x}).items():
+                if "gpu_idle_ms" in y:
+                    print(f"{'':<4}{mode + ' ids: ' if mode else ''}step {y['step_ms']:.3f} ms; "
+                          f"host in a call {y['host_call_ms']:.3f}, GPU span "
+                          f"{y['gpu_span_ms']:.3f}, GPU idle before the next call "
+                          f"{y['gpu_idle_ms']:.3f}")
 
 
 def plot_collection(path, a, results):

@@ -1,13 +1,14 @@
 // The one TORCH_LIBRARY block: every schema of speedtorch_ops, with its contract in one line.
-// Kernels register per dispatch key in cpu/*.cpp and cuda/*.cpp; fakes and autograd in ops.py.
+// Kernels register per dispatch key in each feature folder's *_cpu.cpp and *_cuda.cpp; fakes and
+// autograd in ops.py.
 #include <torch/library.h>
 
 #include "speedtorch_ops/checks.h"
 
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
-#include "cuda/deferred.h"
-#include "cuda/hybrid/tuner.h"
-#include "cuda/launch.h"
+#include "transfer/deferred.h"
+#include "hybrid/tuner.h"
+#include "transfer/launch.h"
 #endif
 
 TORCH_LIBRARY(speedtorch_ops, m) {

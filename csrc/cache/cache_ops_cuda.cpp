@@ -1,6 +1,6 @@
 // CUDA entry points of the row cache's ops (registration.cpp has their contracts): a row cache's step
 // planned on the device in a few launches, with nothing read back to the host.
-#include "../cuda/transfer.h"
+#include "../transfer/transfer.h"
 #include "cache_kernels.h"
 #include "speedtorch_ops/checks.h"
 

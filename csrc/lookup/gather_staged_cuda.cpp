@@ -1,6 +1,6 @@
 // _gather_staged on a GPU (registration.cpp has the contract; gather_staged.cu the kernel): one
 // launch on the current stream, nothing read back.
-#include "../cuda/transfer.h"
+#include "../transfer/transfer.h"
 #include "gather_staged.h"
 #include "speedtorch_ops/checks.h"
 

@@ -2,7 +2,7 @@
 // math type, conversions to and from it, and the dispatch from a kernels' Elem. Torch-free.
 #pragma once
 
-#include "../cuda/kernels.h"
+#include "../transfer/kernels.h"
 #include "rounding.h"
 
 #include <cuda_bf16.h>

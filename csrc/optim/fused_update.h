@@ -2,7 +2,7 @@
 // types only, like the other launchers: the kernel file is compiled without torch's headers.
 #pragma once
 
-#include "../cuda/kernels.h"
+#include "../transfer/kernels.h"
 #include "rules.h"
 
 #include <cuda_runtime.h>

@@ -2,7 +2,7 @@
 // only, like the other launchers: the kernel file is compiled without torch's headers.
 #pragma once
 
-#include "../cuda/kernels.h"
+#include "../transfer/kernels.h"
 
 #include <cuda_runtime.h>
 

@@ -1,6 +1,6 @@
 // _round_into on a GPU (registration.cpp has the contract; round_into.cu the kernel): one
 // launch on the current stream; the seed and counter are read by the kernel.
-#include "../cuda/transfer.h"
+#include "../transfer/transfer.h"
 #include "round_into.h"
 #include "speedtorch_ops/checks.h"
 

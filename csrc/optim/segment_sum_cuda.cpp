@@ -1,6 +1,6 @@
 // _segment_sum on a GPU (registration.cpp has the contract; segment_sum.cu the kernels): two
 // launches on the current stream, nothing read back; the gradient pieces are read in place.
-#include "../cuda/transfer.h"
+#include "../transfer/transfer.h"
 #include "segment_sum.h"
 #include "speedtorch_ops/checks.h"
 

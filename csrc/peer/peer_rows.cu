@@ -1,7 +1,7 @@
 // _peer_rows's kernel (peer_rows.h). Free of torch headers.
 #include "peer_rows.h"
 
-#include "../cuda/kernels.h"
+#include "../transfer/kernels.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,8 +1,8 @@
-// The routing decision of the CUDA entry points (csrc/cuda/route.h), over every kind of call:
+// The routing decision of the CUDA entry points (csrc/transfer/route.h), over every kind of call:
 // it is torch- and CUDA-free, so these tests run on machines without a GPU.
 #include <catch2/catch.hpp>
 
-#include "cuda/route.h"
+#include "transfer/route.h"
 
 namespace {
 
@@ -223,4 +223,43 @@ TEST_CASE("route: loads of narrow rows from a huge host table go through the CPU
   narrow.mapped_span = Call::kHybridMinSpan;
   REQUIRE(route(changed(narrow, [](Call& c) { c.may_wait = false; })) == Path::kZeroCopySorted);
   REQUIRE(route(changed(narrow, [](Call& c) { c.capturing = true; })) == Path::kZeroCopySorted);
+}
+
+TEST_CASE("describe: a call's tables and moves as route reads them") {
+  using speedtorch_ops::route::describe;
+  using speedtorch_ops::route::Shape;
+  Shape shape;
+  shape.load_rows = 10;
+  shape.writeback_rows = 4;
+  shape.may_wait = false;
+  const Call c = describe({{Memory::kMappedHost, int64_t{8} << 30, 512},
+                           {Memory::kMappedHost, int64_t{1} << 30, 1024},
+                           {Memory::kDevice, int64_t{16} << 30, 256}},
+                          shape);
+  REQUIRE(c.mapped_tables);
+  REQUIRE(c.device_tables);
+  REQUIRE_FALSE(c.pageable_tables);
+  REQUIRE(c.mapped_span == int64_t{8} << 30);  // the largest mapped table, not the device one
+  REQUIRE(c.row_bytes == 1024);                // the widest row
+  REQUIRE(c.moved_bytes == 14 * (512 + 1024 + 256));
+  REQUIRE(c.load_rows == 10);
+  REQUIRE(c.writeback_rows == 4);
+  REQUIRE(c.index_on_device);
+  REQUIRE(c.rows_on_device);
+  REQUIRE_FALSE(c.may_wait);
+  REQUIRE(c.hybrid_min_span == Call::kHybridMinSpan);
+  // Built field by field, the same call routes the same way.
+  Call by_hand;
+  by_hand.add(Memory::kMappedHost);
+  by_hand.add(Memory::kDevice);
+  by_hand.mapped_span = int64_t{8} << 30;
+  by_hand.row_bytes = 1024;
+  by_hand.moved_bytes = c.moved_bytes;
+  by_hand.load_rows = 10;
+  by_hand.writeback_rows = 4;
+  by_hand.index_on_device = by_hand.rows_on_device = true;
+  by_hand.may_wait = false;
+  REQUIRE(route(c) == route(by_hand));
+  // No tables: rows of unknown width count as wide.
+  REQUIRE(describe({}, shape).row_bytes == std::numeric_limits<int64_t>::max());
 }

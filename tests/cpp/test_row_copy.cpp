@@ -1,8 +1,8 @@
-// The CPU kernels' row helpers (csrc/cpu/row_copy.h) that no result can show: which rows of a
+// The CPU kernels' row helpers (csrc/transfer/row_copy.h) that no result can show: which rows of a
 // gather are read ahead, and which cache lines a row's read-ahead asks for.
 #include <catch2/catch.hpp>
 
-#include "cpu/row_copy.h"
+#include "transfer/row_copy.h"
 
 #include <cstdint>
 

@@ -1,9 +1,9 @@
-// The hybrid path's share search (csrc/cuda/hybrid/share_search.h), driven by synthetic call
+// The hybrid path's share search (csrc/hybrid/share_search.h), driven by synthetic call
 // times: smooth curves with their fastest share inside or at the edge of the bounds, noise on
 // every call and calls several times too slow, as a busy machine gives.
 #include <catch2/catch.hpp>
 
-#include "cuda/hybrid/share_search.h"
+#include "hybrid/share_search.h"
 
 #include <cmath>
 #include <limits>

@@ -1,8 +1,8 @@
-// The hybrid path's index split (csrc/cuda/hybrid/split.h): torch- and CUDA-free arithmetic,
+// The hybrid path's index split (csrc/hybrid/split.h): torch- and CUDA-free arithmetic,
 // checked against a plain sequential split on random indices.
 #include <catch2/catch.hpp>
 
-#include "cuda/hybrid/split.h"
+#include "hybrid/split.h"
 
 #include <random>
 #include <thread>

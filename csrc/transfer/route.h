@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace speedtorch_ops::route {
 
@@ -56,6 +57,31 @@ struct Call {
     pageable_tables |= memory == Memory::kPageableHost;
   }
 };
+
+// One table of a call, as describe() records it.
+struct Table {
+  Memory memory;
+  int64_t bytes = 0;      // the table's size (the largest host-mapped one is the call's span)
+  int64_t row_bytes = 0;  // bytes of one of its rows
+};
+
+// What a call moves and from where, as describe() records it.
+struct Shape {
+  int64_t load_rows = 0;       // rows read from the tables into the batch
+  int64_t writeback_rows = 0;  // rows written from the batch to the tables
+  bool index_on_device = true;
+  bool rows_on_device = true;
+  bool capturing = false;
+  bool presorted = false;
+  bool may_wait = true;
+  double hybrid_share = -1.0;                        // Call::hybrid_share
+  int64_t hybrid_min_span = Call::kHybridMinSpan;  // Call::hybrid_min_span
+};
+
+// @brief The one way a call's description is built, for every entry point: the tables'
+// memories, the largest host-mapped table's span, the widest row, and the bytes moved (every
+// table's row, for each row loaded or written back). No tables: rows of unknown width.
+Call describe(const std::vector<Table>& tables, const Shape& shape);
 
 enum class Path {
   kCpu,             // CPU kernels: tables, index and rows on the host

@@ -44,6 +44,28 @@ Path split_or_cpu(const Call& c) {
 
 }  // namespace
 
+Call describe(const std::vector<Table>& tables, const Shape& shape) {
+  Call c;
+  int64_t total_row_bytes = 0;
+  for (const auto& t : tables) {
+    c.add(t.memory);
+    if (t.memory == Memory::kMappedHost) c.mapped_span = std::max(c.mapped_span, t.bytes);
+    total_row_bytes += t.row_bytes;
+    c.row_bytes = &t == &tables.front() ? t.row_bytes : std::max(c.row_bytes, t.row_bytes);
+  }
+  c.index_on_device = shape.index_on_device;
+  c.rows_on_device = shape.rows_on_device;
+  c.capturing = shape.capturing;
+  c.presorted = shape.presorted;
+  c.may_wait = shape.may_wait;
+  c.load_rows = shape.load_rows;
+  c.writeback_rows = shape.writeback_rows;
+  c.moved_bytes = (shape.load_rows + shape.writeback_rows) * total_row_bytes;
+  c.hybrid_share = shape.hybrid_share;
+  c.hybrid_min_span = shape.hybrid_min_span;
+  return c;
+}
+
 Path route(const Call& c) {
   if (!c.rows_on_device) {
     return c.index_on_device || c.device_tables ? Path::kRefusedRowsOnHost : Path::kCpu;

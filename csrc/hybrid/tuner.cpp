@@ -1,6 +1,6 @@
 #include "tuner.h"
 
-#include "../route.h"
+#include "../transfer/route.h"
 #include "share_search.h"
 
 #include <ATen/Parallel.h>

@@ -5,8 +5,8 @@
 // reports a bad index like a deferred one (deferred.h); paths with host work refuse to capture.
 #include "addressing.h"
 #include "deferred.h"
-#include "hybrid/hybrid.h"
-#include "hybrid/tuner.h"
+#include "../hybrid/hybrid.h"
+#include "../hybrid/tuner.h"
 #include "route.h"
 #include "speedtorch_ops/checks.h"
 #include "transfer.h"
@@ -44,7 +44,7 @@ bool capturing(const c10::Device& device) {
 struct TableSet {
   std::vector<std::string> names;
   std::vector<torch_cuda::Addressed> at;
-  route::Call call;
+  std::vector<route::Table> routed;  // what route::describe reads of each
 };
 
 TableSet address_all(at::TensorList tables, bool listed, const c10::Device& device) {
@@ -52,10 +52,8 @@ TableSet address_all(at::TensorList tables, bool listed, const c10::Device& devi
   for (const auto k : c10::irange(tables.size())) {
     t.names.push_back(listed ? "stores[" + std::to_string(k) + "]" : "table");
     t.at.push_back(torch_cuda::address(tables[k], t.names.back(), device));
-    t.call.add(t.at.back().memory);
-    if (t.at.back().memory == route::Memory::kMappedHost) {
-      t.call.mapped_span = std::max<int64_t>(t.call.mapped_span, tables[k].nbytes());
-    }
+    t.routed.push_back({t.at.back().memory, static_cast<int64_t>(tables[k].nbytes()),
+                        row_bytes(tables[k])});
   }
   return t;
 }
@@ -96,27 +94,20 @@ void transfer(at::TensorList tables, at::TensorList batch,
   TORCH_CHECK(!writeback_index || !load_index ||
               writeback_index->device() == load_index->device(),
               "writeback_index and load_index must both be on the CPU or both on ", device);
-  TableSet t = address_all(tables, listed, device);
+  const TableSet t = address_all(tables, listed, device);
   int64_t min_rows = std::numeric_limits<int64_t>::max();
-  int64_t total_rb = 0, widest_rb = 0;
-  for (const auto& table : tables) {
-    min_rows = std::min(min_rows, table.size(0));
-    total_rb += row_bytes(table);
-    widest_rb = std::max(widest_rb, row_bytes(table));
-  }
+  for (const auto& table : tables) min_rows = std::min(min_rows, table.size(0));
   const int64_t n_wb = writeback_index ? writeback_index->numel() : 0;
-  const int64_t n_load = load_index ? load_index->numel() : 0;
-  t.call.index_on_device = any_index.is_cuda();
-  t.call.rows_on_device = true;
-  t.call.capturing = capturing(device);
-  t.call.may_wait = mode != BoundsCheck::kPrechecked;
-  t.call.load_rows = n_load;
-  t.call.writeback_rows = n_wb;
-  t.call.moved_bytes = (n_wb + n_load) * total_rb;
-  t.call.row_bytes = widest_rb;
-  t.call.hybrid_share = torch_cuda::fixed_share();
-  t.call.hybrid_min_span = torch_cuda::hybrid_min_span();
-  const Path path = route::route(t.call);
+  route::Shape shape;
+  shape.load_rows = load_index ? load_index->numel() : 0;
+  shape.writeback_rows = n_wb;
+  shape.index_on_device = any_index.is_cuda();
+  shape.capturing = capturing(device);
+  shape.may_wait = mode != BoundsCheck::kPrechecked;
+  shape.hybrid_share = torch_cuda::fixed_share();
+  shape.hybrid_min_span = torch_cuda::hybrid_min_span();
+  const route::Call call = route::describe(t.routed, shape);
+  const Path path = route::route(call);
   raise_if_refused(path, t, device);
 
   std::vector<Pair> pairs;
@@ -138,13 +129,13 @@ void transfer(at::TensorList tables, at::TensorList batch,
   // A write-back alone by a CUDA index into tables in device memory: one kernel does it all,
   // as such a call's time is the host's time to queue the separate kernels.
   if (path == Path::kDevice && writeback_index && !load_index && writeback_index->is_cuda() &&
-      !accumulate && torch_cuda::can_scatter_fused(pairs, n_wb, min_rows, t.call.moved_bytes,
-                                                 t.call.capturing, device) &&
+      !accumulate && torch_cuda::can_scatter_fused(pairs, n_wb, min_rows, call.moved_bytes,
+                                                 call.capturing, device) &&
       torch_cuda::scatter_fused(pairs, *writeback_index, min_rows, wb_name,
-                               torch_cuda::report_for(mode, t.call.capturing), device)) {
+                               torch_cuda::report_for(mode, call.capturing), device)) {
     return;
   }
-  Validation v(device, torch_cuda::report_for(mode, t.call.capturing));
+  Validation v(device, torch_cuda::report_for(mode, call.capturing));
   const auto on_device = [&](const std::optional<at::Tensor>& index, const char* name) {
     std::optional<DeviceIndex> di;
     if (!index) return di;
@@ -234,12 +225,14 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   c10::cuda::CUDAGuard guard(device);
   if (mode != BoundsCheck::kPrechecked) torch_cuda::raise_deferred(device);
   const auto at = torch_cuda::address(table, "table", device);
-  route::Call call;
-  call.add(at.memory);
-  call.index_on_device = call.rows_on_device = call.presorted = true;
-  call.capturing = capturing(device);
-  call.load_rows = load ? sorted_rows.numel() : 0;
-  call.row_bytes = row_bytes(table);
+  route::Shape shape;
+  shape.load_rows = load ? sorted_rows.numel() : 0;
+  shape.writeback_rows = load ? 0 : sorted_rows.numel();
+  shape.presorted = true;
+  shape.capturing = capturing(device);
+  shape.may_wait = mode != BoundsCheck::kPrechecked;
+  const route::Call call = route::describe(
+      {{at.memory, static_cast<int64_t>(table.nbytes()), row_bytes(table)}}, shape);
   const Path path = route::route(call);
   TORCH_CHECK(path != Path::kHostStaged && path != Path::kRefusedCapture, "table is in pageable "
               "host memory, which _sorted_transfer cannot reach from the GPU; allocate it with "

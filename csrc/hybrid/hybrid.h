@@ -4,8 +4,8 @@
 // through the CPU side (route::Path::kHostStaged).
 #pragma once
 
-#include "../route.h"
-#include "../transfer.h"
+#include "../transfer/route.h"
+#include "../transfer/transfer.h"
 
 #include <ATen/ATen.h>
 
