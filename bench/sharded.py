@@ -78,10 +78,11 @@ def parse(argv=None):
                    help="collection: launch the steps op by op (no CUDA graph)")
     p.add_argument("--profile", default=None,
                    help="collection: write each rank's torch.profiler table of 20 steps to "
-                        "PROFILE-<world>-<rank>.txt")
+                        "PROFILE-<world>-<rank>-<exchange>.txt (1-0-modules: the demo's engine)")
     p.add_argument("--trace", default=None,
                    help="collection: write each rank's torch.profiler timeline of 3 steps to "
-                        "TRACE-<world>-<rank>-<exchange>.json.gz (chrome://tracing, Perfetto)")
+                        "TRACE-<world>-<rank>-<exchange>.json.gz (chrome://tracing, Perfetto; "
+                        "1-0-modules: the demo's engine)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the collection's bar chart here (PNG)")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -274,6 +275,25 @@ def gaps(a, data, run, device, steps: int = 50) -> dict:
             "gpu_idle_ms": float(np.median(idle))}
 
 
+def profiled(a, run, data, sync, name: str) -> None:
+    """With --profile, a torch.profiler table of 20 more steps at PROFILE-<name>.txt; with
+    --trace, a timeline of 3 at TRACE-<name>.json.gz."""
+    from torch.profiler import ProfilerActivity, profile
+    for path, steps, timeline in ((a.profile, 20, False), (a.trace, 3, True)):
+        if not path:
+            continue
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                run.step(data[i % len(data)], data[(i + 1) % len(data)])
+            sync()
+        if timeline:
+            prof.export_chrome_trace(f"{path}-{name}.json.gz")
+        else:
+            with open(f"{path}-{name}.txt", "w") as f:
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                  max_name_column_width=70))
+
+
 def timing(a, world: int, step_s: float, windows: list) -> dict:
     """A run's step time and samples/s from its median window, and every window's step ms."""
     return {"step_ms": step_s * 1e3, "samples_per_s": world * a.batch / step_s,
@@ -288,31 +308,14 @@ def measure_collection(a, inputs: dict, device, world, sharded: bool,
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     data = next(iter(inputs.values()))
 
-    def step(i):
-        run.step(data[i % len(data)], data[(i + 1) % len(data)])
-
     by_ids = {}
     for mode, batches_ in inputs.items():
         step_s, windows, host = timed_steps(
             a, batches_, run, lambda: run.ebc.cache_stats()["total"]["host_bytes"], sync)
         by_ids[mode] = {**timing(a, world, step_s, windows), **gaps(a, batches_, run, device)}
-    if device.type == "cuda" and (a.profile or a.trace):
-        from torch.profiler import ProfilerActivity, profile
+    if device.type == "cuda":
         rank = dist.get_rank() if dist.is_initialized() else 0
-        name = f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}"
-        for path, steps, timeline in ((a.profile, 20, False), (a.trace, 3, True)):
-            if not path:
-                continue
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for i in range(steps):
-                    step(i)
-                sync()
-            if timeline:
-                prof.export_chrome_trace(f"{path}-{name}.json.gz")
-            else:
-                with open(f"{path}-{name}.txt", "w") as f:
-                    f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
-                                                      max_name_column_width=70))
+        profiled(a, run, data, sync, f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}")
     stats = run.ebc.cache_stats()["total"]
     result = {**next(iter(by_ids.values())), "by_ids": by_ids,
               "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
@@ -343,6 +346,7 @@ def measure_modules_captured(a, data, device) -> dict:
         a, data, run, lambda: sum(emb.cache_stats()["host_bytes"] for emb in (run.u, run.v)),
         lambda: torch.cuda.synchronize(device))
     where = gaps(a, data, run, device)
+    profiled(a, run, data, lambda: torch.cuda.synchronize(device), "1-0-modules")
     stats = [emb.cache_stats() for emb in (run.u, run.v)]
     hits, lookups = sum(s["hits"] for s in stats), sum(s["lookups"] for s in stats)
     del run

@@ -21,8 +21,9 @@ GPU = ("kernel", "gpu_memcpy", "gpu_memset")
 def short(name: str) -> str:
     """A kernel's name without its template arguments, parameters and namespaces."""
     name = name.replace("void ", "")
-    for prefix in ("speedtorch_ops::cuda::(anonymous namespace)::", "at::native::",
-                   "(anonymous namespace)::", "at_cuda_detail::"):
+    for prefix in ("speedtorch_ops::kernels::(anonymous namespace)::",
+                   "speedtorch_ops::kernels::", "at::native::", "(anonymous namespace)::",
+                   "at_cuda_detail::"):
         name = name.replace(prefix, "")
     return re.sub(r"[<(].*", "", name)[:50]
 
