@@ -46,13 +46,16 @@ Path split_or_cpu(const Call& c) {
 
 Call describe(const std::vector<Table>& tables, const Shape& shape) {
   Call c;
-  int64_t total_row_bytes = 0;
+  int64_t total_row_bytes = 0, widest = 0;
+  bool unknown = tables.empty();
   for (const auto& t : tables) {
     c.add(t.memory);
     if (t.memory == Memory::kMappedHost) c.mapped_span = std::max(c.mapped_span, t.bytes);
     total_row_bytes += t.row_bytes;
-    c.row_bytes = &t == &tables.front() ? t.row_bytes : std::max(c.row_bytes, t.row_bytes);
+    widest = std::max(widest, t.row_bytes);
+    unknown |= t.row_bytes <= 0;
   }
+  if (!unknown) c.row_bytes = widest;  // else Call's default: unknown, counted as wide
   c.index_on_device = shape.index_on_device;
   c.rows_on_device = shape.rows_on_device;
   c.capturing = shape.capturing;

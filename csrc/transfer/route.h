@@ -62,7 +62,7 @@ struct Call {
 struct Table {
   Memory memory;
   int64_t bytes = 0;      // the table's size (the largest host-mapped one is the call's span)
-  int64_t row_bytes = 0;  // bytes of one of its rows
+  int64_t row_bytes = 0;  // bytes of one of its rows; 0: unknown (the call's rows count as wide)
 };
 
 // What a call moves and from where, as describe() records it.
@@ -80,7 +80,8 @@ struct Shape {
 
 // @brief The one way a call's description is built, for every entry point: the tables'
 // memories, the largest host-mapped table's span, the widest row, and the bytes moved (every
-// table's row, for each row loaded or written back). No tables: rows of unknown width.
+// table's row, for each row loaded or written back). No tables, or a table whose row is
+// unknown: rows of unknown width, which count as wide.
 Call describe(const std::vector<Table>& tables, const Shape& shape);
 
 enum class Path {

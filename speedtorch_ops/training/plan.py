@@ -41,10 +41,11 @@ def host_ids(ids, name: str = "ids") -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64))
     if ids.dtype not in _INTEGER:
         raise TypeError(f"{name} must be integers, got {ids.dtype}")
-    if ids.device.type == "cpu":
+    if type(ids) is Tensor and ids.device.type == "cpu":  # not a subclass (fake, batched)
         # Through NumPy too: torch's dtype conversion of a few ten thousand ids wakes its
         # thread pool, which on a many-core host costs the step milliseconds.
-        return torch.from_numpy(np.ascontiguousarray(ids.numpy().reshape(-1), dtype=np.int64))
+        return torch.from_numpy(np.ascontiguousarray(ids.resolve_neg().numpy().reshape(-1),
+                                                     dtype=np.int64))
     return ids.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
 
 

@@ -260,6 +260,8 @@ TEST_CASE("describe: a call's tables and moves as route reads them") {
   by_hand.index_on_device = by_hand.rows_on_device = true;
   by_hand.may_wait = false;
   REQUIRE(route(c) == route(by_hand));
-  // No tables: rows of unknown width count as wide.
+  // No tables, or a row of unknown width: the rows count as wide.
   REQUIRE(describe({}, shape).row_bytes == std::numeric_limits<int64_t>::max());
+  REQUIRE(describe({{Memory::kMappedHost}}, shape).row_bytes ==
+          std::numeric_limits<int64_t>::max());
 }

@@ -32,3 +32,13 @@ def test_host_ids_of_numpy_and_lists():
     assert torch.equal(host_ids([3, 1, 2]), torch.tensor([3, 1, 2]))
     with pytest.raises(TypeError, match="ids must be integers"):
         host_ids(ids.astype(np.float32))
+
+
+def test_host_ids_of_a_negated_view_and_a_subclass():
+    # A negated view reads as its values; a tensor subclass (here fake) takes torch's path.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    assert torch.equal(host_ids(torch._neg_view(torch.tensor([-1, -2, -3]))),
+                       torch.tensor([1, 2, 3]))
+    with FakeTensorMode():
+        out = host_ids(torch.empty(5, 2, dtype=torch.int32))
+    assert out.shape == (10,) and out.dtype == torch.int64
