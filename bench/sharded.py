@@ -75,6 +75,12 @@ def parse(argv=None):
                         "checked on the host and uploaded in one copy, the host running ahead; "
                         "device: checked on the GPU, so each call waits for the step before it "
                         "(CapturedStep's one wait)")
+    p.add_argument("--lane-sms", type=int, default=None,
+                   help="collection: the SMs its cache's loads may use (CachedRows.lane_sms; "
+                        "default: the store's); the demo's engine keeps its default")
+    p.add_argument("--write-sms", type=int, default=None,
+                   help="collection: the SMs its cache's write-backs may use "
+                        "(CachedRows.write_sms; default: the store's)")
     p.add_argument("--eager", action="store_true",
                    help="collection: launch the steps op by op (no CUDA graph)")
     p.add_argument("--profile", default=None,
@@ -183,6 +189,11 @@ class CollectionStep:
         bound = 0.5 / a.dim
         for g in self.ebc.groups:  # both tables in one group: u's rows, then v's
             g.reset_parameters(lambda w: w.normal_(0.0, bound))
+            # One store carries every table's transfers here, where the demo's engine has a
+            # store (and its SM caps) a table: the caps are worth measuring per engine.
+            for cap in ("lane_sms", "write_sms"):
+                if getattr(a, cap, None) is not None and hasattr(g.store, cap):
+                    setattr(g.store, cap, getattr(a, cap))
         self.a, self.device = a, device
         self.captured = None
         if gpu and not a.eager:
