@@ -17,9 +17,11 @@ import torch.multiprocessing as mp
 
 BACKENDS = ["gloo", "nccl"]
 # Ranks fork from a server that imported torch once (a fresh interpreter per rank spends
-# seconds importing it) and never ran OpenMP or CUDA (which a fork would inherit broken).
-mp.set_forkserver_preload(["torch", "speedtorch_ops.distributed", "sharded_workers",
-                          "collection_workers"])
+# seconds importing it) and never ran OpenMP or CUDA (which a fork would inherit broken). Dynamo
+# too: the modules import it at their class's first instance (to keep their eager methods out
+# of a compiled graph), which took every rank of every run seconds.
+mp.set_forkserver_preload(["torch", "torch._dynamo", "speedtorch_ops.distributed",
+                          "sharded_workers", "collection_workers"])
 
 
 def skip_unless_backend(backend: str, world: int = 2) -> None:
