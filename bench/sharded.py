@@ -323,11 +323,13 @@ def measure_collection(a, inputs: dict, device, world, sharded: bool,
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     data = next(iter(inputs.values()))
 
-    by_ids = {}
+    by_ids, hosts = {}, []
     for mode, batches_ in inputs.items():
         step_s, windows, host = timed_steps(
             a, batches_, run, lambda: run.ebc.cache_stats()["total"]["host_bytes"], sync)
         by_ids[mode] = {**timing(a, world, step_s, windows), **gaps(a, batches_, run, device)}
+        hosts.append(host)
+    host = hosts[0]  # the first mode's, as its time is the run's
     if device.type == "cuda":
         rank = dist.get_rank() if dist.is_initialized() else 0
         profiled(a, run, data, sync, f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}")
