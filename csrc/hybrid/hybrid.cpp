@@ -46,10 +46,11 @@ void parallel_blocks(int64_t blocks, const std::function<void(int64_t)>& task) {
 
 // The zero-copy side's path: mapped tables, indices on the device (sorted reads for long loads).
 route::Path zero_copy_path(int64_t load_rows) {
-  route::Shape shape;
-  shape.load_rows = load_rows;
-  shape.may_wait = false;  // the zero-copy side of a split: never split again
-  return route::route(route::describe({{route::Memory::kMappedHost}}, shape));
+  route::Call asked;
+  asked.load_rows = load_rows;
+  asked.index_on_device = asked.rows_on_device = true;
+  asked.may_wait = false;  // the zero-copy side of a split: never split again
+  return route::route(route::describe({{route::Memory::kMappedHost}}, asked));
 }
 
 // One index split in two sides. Its zero-copy rows and positions and its CPU side's positions

@@ -44,29 +44,19 @@ Path split_or_cpu(const Call& c) {
 
 }  // namespace
 
-Call describe(const std::vector<Table>& tables, const Shape& shape) {
-  Call c;
+Call describe(const std::vector<Table>& tables, Call call) {
   int64_t total_row_bytes = 0, widest = 0;
   bool unknown = tables.empty();
   for (const auto& t : tables) {
-    c.add(t.memory);
-    if (t.memory == Memory::kMappedHost) c.mapped_span = std::max(c.mapped_span, t.bytes);
+    call.add(t.memory);
+    if (t.memory == Memory::kMappedHost) call.mapped_span = std::max(call.mapped_span, t.bytes);
     total_row_bytes += t.row_bytes;
     widest = std::max(widest, t.row_bytes);
     unknown |= t.row_bytes <= 0;
   }
-  if (!unknown) c.row_bytes = widest;  // else Call's default: unknown, counted as wide
-  c.index_on_device = shape.index_on_device;
-  c.rows_on_device = shape.rows_on_device;
-  c.capturing = shape.capturing;
-  c.presorted = shape.presorted;
-  c.may_wait = shape.may_wait;
-  c.load_rows = shape.load_rows;
-  c.writeback_rows = shape.writeback_rows;
-  c.moved_bytes = (shape.load_rows + shape.writeback_rows) * total_row_bytes;
-  c.hybrid_share = shape.hybrid_share;
-  c.hybrid_min_span = shape.hybrid_min_span;
-  return c;
+  call.row_bytes = unknown ? Call{}.row_bytes : widest;  // unknown: counted as wide
+  call.moved_bytes = (call.load_rows + call.writeback_rows) * total_row_bytes;
+  return call;
 }
 
 Path route(const Call& c) {

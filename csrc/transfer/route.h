@@ -65,24 +65,12 @@ struct Table {
   int64_t row_bytes = 0;  // bytes of one of its rows; 0: unknown (the call's rows count as wide)
 };
 
-// What a call moves and from where, as describe() records it.
-struct Shape {
-  int64_t load_rows = 0;       // rows read from the tables into the batch
-  int64_t writeback_rows = 0;  // rows written from the batch to the tables
-  bool index_on_device = true;
-  bool rows_on_device = true;
-  bool capturing = false;
-  bool presorted = false;
-  bool may_wait = true;
-  double hybrid_share = -1.0;                        // Call::hybrid_share
-  int64_t hybrid_min_span = Call::kHybridMinSpan;  // Call::hybrid_min_span
-};
-
-// @brief The one way a call's description is built, for every entry point: the tables'
-// memories, the largest host-mapped table's span, the widest row, and the bytes moved (every
-// table's row, for each row loaded or written back). No tables, or a table whose row is
-// unknown: rows of unknown width, which count as wide.
-Call describe(const std::vector<Table>& tables, const Shape& shape);
+// @brief The one way a call's description is built, for every entry point: `call` as its
+// caller describes it (where the index and rows are, what it moves, whether it may wait), with
+// what its tables determine filled in: their memories, the largest host-mapped table's span,
+// the widest row, and the bytes moved (every table's row, for each row loaded or written
+// back). No tables, or a table whose row is unknown: rows of unknown width, which count as wide.
+Call describe(const std::vector<Table>& tables, Call call);
 
 enum class Path {
   kCpu,             // CPU kernels: tables, index and rows on the host

@@ -98,15 +98,16 @@ void transfer(at::TensorList tables, at::TensorList batch,
   int64_t min_rows = std::numeric_limits<int64_t>::max();
   for (const auto& table : tables) min_rows = std::min(min_rows, table.size(0));
   const int64_t n_wb = writeback_index ? writeback_index->numel() : 0;
-  route::Shape shape;
-  shape.load_rows = load_index ? load_index->numel() : 0;
-  shape.writeback_rows = n_wb;
-  shape.index_on_device = any_index.is_cuda();
-  shape.capturing = capturing(device);
-  shape.may_wait = mode != BoundsCheck::kPrechecked;
-  shape.hybrid_share = torch_cuda::fixed_share();
-  shape.hybrid_min_span = torch_cuda::hybrid_min_span();
-  const route::Call call = route::describe(t.routed, shape);
+  route::Call asked;
+  asked.load_rows = load_index ? load_index->numel() : 0;
+  asked.writeback_rows = n_wb;
+  asked.index_on_device = any_index.is_cuda();
+  asked.rows_on_device = true;
+  asked.capturing = capturing(device);
+  asked.may_wait = mode != BoundsCheck::kPrechecked;
+  asked.hybrid_share = torch_cuda::fixed_share();
+  asked.hybrid_min_span = torch_cuda::hybrid_min_span();
+  const route::Call call = route::describe(t.routed, asked);
   const Path path = route::route(call);
   raise_if_refused(path, t, device);
 
@@ -225,14 +226,14 @@ void sorted_transfer_cuda(at::Tensor& table, at::TensorList parts, const at::Ten
   c10::cuda::CUDAGuard guard(device);
   if (mode != BoundsCheck::kPrechecked) torch_cuda::raise_deferred(device);
   const auto at = torch_cuda::address(table, "table", device);
-  route::Shape shape;
-  shape.load_rows = load ? sorted_rows.numel() : 0;
-  shape.writeback_rows = load ? 0 : sorted_rows.numel();
-  shape.presorted = true;
-  shape.capturing = capturing(device);
-  shape.may_wait = mode != BoundsCheck::kPrechecked;
+  route::Call asked;
+  asked.load_rows = load ? sorted_rows.numel() : 0;
+  asked.writeback_rows = load ? 0 : sorted_rows.numel();
+  asked.index_on_device = asked.rows_on_device = asked.presorted = true;
+  asked.capturing = capturing(device);
+  asked.may_wait = mode != BoundsCheck::kPrechecked;
   const route::Call call = route::describe(
-      {{at.memory, static_cast<int64_t>(table.nbytes()), row_bytes(table)}}, shape);
+      {{at.memory, static_cast<int64_t>(table.nbytes()), row_bytes(table)}}, asked);
   const Path path = route::route(call);
   TORCH_CHECK(path != Path::kHostStaged && path != Path::kRefusedCapture, "table is in pageable "
               "host memory, which _sorted_transfer cannot reach from the GPU; allocate it with "

@@ -33,20 +33,18 @@ def reshaped_retrieval(pos, neg=None):
 
 def host_ids(ids, name: str = "ids") -> Tensor:
     """`ids` (NumPy, list or a tensor on any device) as a 1-D int64 CPU tensor."""
-    if isinstance(ids, np.ndarray) or not isinstance(ids, Tensor):
-        ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
+    if isinstance(ids, Tensor):
+        if ids.dtype not in _INTEGER:
             raise TypeError(f"{name} must be integers, got {ids.dtype}")
-        # NumPy converts without waking torch's thread pool.
-        return torch.from_numpy(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64))
-    if ids.dtype not in _INTEGER:
+        if type(ids) is not Tensor or ids.device.type != "cpu":  # a subclass (fake, batched)
+            return ids.reshape(-1).to("cpu", torch.int64)  # ids on a GPU come over once
+        ids = ids.resolve_neg().numpy()
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
         raise TypeError(f"{name} must be integers, got {ids.dtype}")
-    if type(ids) is Tensor and ids.device.type == "cpu":  # not a subclass (fake, batched)
-        # Through NumPy too: torch's dtype conversion of a few ten thousand ids wakes its
-        # thread pool, which on a many-core host costs the step milliseconds.
-        return torch.from_numpy(np.ascontiguousarray(ids.resolve_neg().numpy().reshape(-1),
-                                                     dtype=np.int64))
-    return ids.reshape(-1).to("cpu", torch.int64)  # ids given on a GPU come over once
+    # NumPy converts on this thread: torch's conversion of a few ten thousand ids wakes its
+    # thread pool, which on a many-core host costs the step milliseconds.
+    return torch.from_numpy(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64))
 
 
 def check_bounds_mode(bounds_check: str) -> None:

@@ -227,15 +227,15 @@ TEST_CASE("route: loads of narrow rows from a huge host table go through the CPU
 
 TEST_CASE("describe: a call's tables and moves as route reads them") {
   using speedtorch_ops::route::describe;
-  using speedtorch_ops::route::Shape;
-  Shape shape;
-  shape.load_rows = 10;
-  shape.writeback_rows = 4;
-  shape.may_wait = false;
+  Call asked;
+  asked.load_rows = 10;
+  asked.writeback_rows = 4;
+  asked.index_on_device = asked.rows_on_device = true;
+  asked.may_wait = false;
   const Call c = describe({{Memory::kMappedHost, int64_t{8} << 30, 512},
                            {Memory::kMappedHost, int64_t{1} << 30, 1024},
                            {Memory::kDevice, int64_t{16} << 30, 256}},
-                          shape);
+                          asked);
   REQUIRE(c.mapped_tables);
   REQUIRE(c.device_tables);
   REQUIRE_FALSE(c.pageable_tables);
@@ -261,7 +261,7 @@ TEST_CASE("describe: a call's tables and moves as route reads them") {
   by_hand.may_wait = false;
   REQUIRE(route(c) == route(by_hand));
   // No tables, or a row of unknown width: the rows count as wide.
-  REQUIRE(describe({}, shape).row_bytes == std::numeric_limits<int64_t>::max());
-  REQUIRE(describe({{Memory::kMappedHost}}, shape).row_bytes ==
+  REQUIRE(describe({}, asked).row_bytes == std::numeric_limits<int64_t>::max());
+  REQUIRE(describe({{Memory::kMappedHost}}, asked).row_bytes ==
           std::numeric_limits<int64_t>::max());
 }
