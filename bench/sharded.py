@@ -236,7 +236,7 @@ def exchange_bytes(a, world, ebc) -> dict:
     the share of ids a uniform owner takes: the ids are cyclic by row)."""
     n = a.batch * (2 + a.negatives)
     peers = world - 1
-    row = a.dim * ebc.groups[0].host.element_size()
+    row = a.dim * ebc.groups[0].dtype.itemsize
     rows = n * peers // world * row if getattr(ebc, "exchange", "") == "peer" else peers * n * row
     return {"ids": 2 * peers * n * 8, "rows": rows, "grads": rows}
 

@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace speedtorch_ops {
 
@@ -291,21 +292,6 @@ void check_one_int64(const at::Tensor& t, const char* name, const at::Tensor& li
   check_same_device(t, name, like, like_name);
 }
 
-// (parts, rows, ...) with each part's rows one after another and parts apart by stride(0) (a
-// view of a cache's first slots is one); parts that overlap would race.
-void check_rows_layout(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() >= 2, name, " must have at least 2 dimensions (parts, rows, ...), got "
-              "shape ", t.sizes());
-  int64_t step = 1;
-  for (int64_t d = t.dim() - 1; d >= 1; --d) {
-    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == step, name,
-                " must be contiguous within each part (dims 1 on), got strides ", t.strides());
-    step *= std::max<int64_t>(t.size(d), 1);  // as torch's contiguity: empty dims count as 1
-  }
-  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) >= step, name,
-              " must not have overlapping parts, got strides ", t.strides());
-}
-
 }  // namespace
 
 void check_items(const at::Tensor& t, const char* name) {
@@ -376,11 +362,33 @@ void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
               "), got ", first.numel());
 }
 
+namespace {
+
+// (parts, rows, ...) with each row's elements (dims 2 on) contiguous, rows any stride at
+// least a row apart (a record's first bytes, say), parts not overlapping.
+void check_strided_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 2, name, " must have at least 2 dimensions (parts, rows, ...), got "
+              "shape ", t.sizes());
+  int64_t step = 1;
+  for (int64_t d = t.dim() - 1; d >= 2; --d) {
+    TORCH_CHECK(t.size(d) <= 1 || t.stride(d) == step, name,
+                " must have each row contiguous (dims 2 on), got strides ", t.strides());
+    step *= std::max<int64_t>(t.size(d), 1);
+  }
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) >= step, name, " must not have overlapping rows, "
+              "got strides ", t.strides(), " for shape ", t.sizes());
+  const int64_t part = t.size(1) <= 1 ? step : t.stride(1) * t.size(1);
+  TORCH_CHECK(t.size(0) <= 1 || t.stride(0) >= part, name,
+              " must not have overlapping parts, got strides ", t.strides());
+}
+
+}  // namespace
+
 void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
                           const at::Tensor& count, bool take) {
   const char* dst_name = take ? "out" : "dst";
-  check_rows_layout(dst, dst_name);
-  check_rows_layout(src, "src");
+  check_strided_rows(dst, dst_name);
+  check_strided_rows(src, "src");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "src must have ", dst_name, "'s dtype ",
               dst.scalar_type(), ", got ", src.scalar_type());
   check_same_device(src, "src", dst, dst_name);
@@ -482,57 +490,79 @@ void check_rounding(const at::Tensor& r, const at::Tensor& beside, const char* n
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> state_parts,
+                                c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
                                 const c10::optional<at::Tensor>& cache,
                                 const c10::optional<at::Tensor>& at,
                                 const c10::optional<at::Tensor>& rounding) {
   TORCH_CHECK(rule >= 0 && rule <= 5, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
               "3 (Adam), 4 (AdamW) or 5 (PartialRowWiseAdam), got ", rule);
-  TORCH_CHECK(buf.dim() == 3, "buf must be (parts, rows, width), got shape ", buf.sizes());
-  check_rows_layout(buf, "buf");
-  const auto dtype = check_step_float(buf, "buf");
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.is_contiguous(),
+              "buf must be a contiguous uint8 (rows, record) tensor, got ", buf.scalar_type(),
+              " of shape ", buf.sizes());
   TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (rows, dim) "
               "tensor, got shape ", grad.sizes());
-  TORCH_CHECK(grad.scalar_type() == dtype, "grad must have buf's dtype ", dtype, ", got ",
-              grad.scalar_type());
+  const auto dtype = check_step_float(grad, "grad");
+  const auto state = state_dtype;
+  const bool wide = dtype == at::kDouble;
+  TORCH_CHECK(wide ? state == at::kDouble
+                   : state == at::kFloat || state == at::kBFloat16 || state == dtype,
+              "state_dtype must be ", wide ? "float64 with float64 weights (grad's dtype)"
+                                           : "float32, bfloat16 or the weights' (grad's) dtype",
+              ", got ", state, " for ", dtype, " weights");
   check_same_device(grad, "grad", buf, "buf");
-  TORCH_CHECK(grad.size(0) == buf.size(1), "grad must have buf's ", buf.size(1), " rows, got ",
+  TORCH_CHECK(grad.size(0) == buf.size(0), "grad must have buf's ", buf.size(0), " rows, got ",
               grad.size(0));
-  const int64_t dim = grad.size(1), width = buf.size(2);
-  const bool rowwise = rule == 2 || rule == 5;
-  TORCH_CHECK(rowwise ? dim < width : dim <= width, "grad's dim (", dim, ") must be at most buf's "
-              "width (", width, rowwise ? ") less one (the row-wise value's column)" : ")");
   check_one_int64(count, "count", buf, "buf");
   TORCH_CHECK(hyper.size() == 5, "hyper must hold 5 values (lr, weight_decay, a, b, eps), got ",
               hyper.size());
   TORCH_CHECK(flags >= 0 && flags < 16, "flags must be a combination of 1 (maximize), 2 "
               "(nesterov), 4 (amsgrad) and 8 (first step), got ", flags);
-  TORCH_CHECK(state_parts.size() <= 3, "state_parts must name at most 3 parts, got ",
-              state_parts.size());
-  for (size_t k = 0; k < state_parts.size(); ++k) {
-    TORCH_CHECK(state_parts[k] >= 1 && state_parts[k] < buf.size(0), "state_parts[", k,
-                "] must be a part of buf in [1, ", buf.size(0), "), got ", state_parts[k]);
-    for (size_t j = 0; j < k; ++j) {
-      TORCH_CHECK(state_parts[j] != state_parts[k], "state_parts must be distinct, got ",
-                  state_parts[k], " twice");
-    }
-  }
   // Each rule keeps its own per-element state: SGD a momentum buffer or none, Adagrad its sum,
-  // RowWiseAdagrad none (its accumulator is a column), Adam two moments (three with amsgrad),
-  // PartialRowWiseAdam its first moment (the second is a column).
-  const int64_t parts_given = static_cast<int64_t>(state_parts.size());
+  // RowWiseAdagrad none (its accumulator is the row value), Adam two moments (three with
+  // amsgrad), PartialRowWiseAdam its first moment (the second is the row value).
+  TORCH_CHECK(fields.size() >= 2 && fields.size() <= 5, "fields must hold the byte offsets of "
+              "the weight, the row value (-1: none) and up to 3 states, got ", fields.size(),
+              " values");
+  const int64_t states = static_cast<int64_t>(fields.size()) - 2;
   const bool amsgrad = (flags & 4) != 0, adam = rule == 3 || rule == 4;
-  const int64_t parts_needed = rule == 0 ? parts_given : rule == 1 || rule == 5 ? 1
-                                         : rule == 2 ? 0 : (amsgrad ? 3 : 2);
-  TORCH_CHECK(parts_given == parts_needed && (rule != 0 || parts_given <= 1), "state_parts must "
-              "name the rule's ", rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
-              : rule == 2 ? "nothing (the accumulator is column dim of part 0)"
-              : rule == 5 ? "exp_avg (exp_avg_sq is column dim of part 0)"
+  const bool rowwise = rule == 2 || rule == 5;
+  const int64_t needed = rule == 0 ? states : rule == 1 || rule == 5 ? 1
+                                   : rule == 2 ? 0 : (amsgrad ? 3 : 2);
+  TORCH_CHECK(states == needed && (rule != 0 || states <= 1), "fields must name the rule's ",
+              rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
+              : rule == 2 ? "no per-element state (the accumulator is the row value)"
+              : rule == 5 ? "exp_avg (exp_avg_sq is the row value)"
               : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
-              ", got ", parts_given, " parts");
+              " after the weight and the row value, got ", states, " states");
+  TORCH_CHECK(rowwise == (fields[1] >= 0), "fields[1] (the row value's offset) must be ",
+              rowwise ? "an offset: the rule keeps one value a row" : "-1: the rule keeps none");
   TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (4) is Adam's and AdamW's only");
-  TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && parts_given == 1), "flags: nesterov (2) "
+  TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && states == 1), "flags: nesterov (2) "
               "and first step (8) need SGD with a momentum buffer");
+  // Every field inside the record, aligned to its element size in every row (the record a
+  // multiple of it), and no two overlapping.
+  const int64_t record = buf.size(1), dim = grad.size(1);
+  const int64_t w_item = grad.element_size(), s_item = c10::elementSize(state);
+  const int64_t r_item = wide ? 8 : 4;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (size_t k = 0; k < fields.size(); ++k) {
+    if (k == 1 && !rowwise) continue;
+    const int64_t item = k == 0 ? w_item : k == 1 ? r_item : s_item;
+    const int64_t bytes = k == 1 ? item : dim * item;
+    TORCH_CHECK(fields[k] >= 0 && fields[k] % item == 0 && record % item == 0 &&
+                    fields[k] + bytes <= record,
+                "fields[", k, "] = ", fields[k], " must be a multiple of ", item, " with its ",
+                bytes, " bytes inside buf's record of ", record, " bytes (a multiple of ", item,
+                ")");
+    for (const auto& [lo, hi] : spans) {
+      TORCH_CHECK(fields[k] + bytes <= lo || fields[k] >= hi, "fields[", k, "] overlaps another "
+                  "field: [", fields[k], ", ", fields[k] + bytes, ") and [", lo, ", ", hi, ")");
+    }
+    spans.emplace_back(fields[k], fields[k] + bytes);
+  }
+  const int64_t widest = std::max({w_item, s_item, rowwise ? r_item : 1});
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(buf.const_data_ptr()) % widest == 0, "buf's data must "
+              "be ", widest, "-byte aligned (its fields' widest element)");
   const bool counts_steps = rule == 1 || rule == 3 || rule == 4 || rule == 5;
   TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
               " (the step count after this step's increment)");
@@ -550,13 +580,13 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
               "row of the cache), got ", cache.has_value() ? "cache only" : "at only");
   if (cache.has_value()) {
     const auto& c = *cache;
-    TORCH_CHECK(c.dim() == 3 && c.size(0) == buf.size(0) && c.size(2) == width,
-                "cache must be (parts, slots, width) with buf's parts and width, got shape ",
-                c.sizes(), " for buf ", buf.sizes());
-    TORCH_CHECK(c.scalar_type() == dtype, "cache must have buf's dtype ", dtype, ", got ",
-                c.scalar_type());
+    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kByte && c.is_contiguous() &&
+                    c.size(1) == record,
+                "cache must be a contiguous uint8 (slots, record) tensor with buf's record of ",
+                record, " bytes, got ", c.scalar_type(), " of shape ", c.sizes());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(c.const_data_ptr()) % widest == 0, "cache's data "
+                "must be ", widest, "-byte aligned (its fields' widest element)");
     check_same_device(c, "cache", buf, "buf");
-    check_rows_layout(c, "cache");
     check_vector(*at, "at", at::kLong);
     check_same_device(*at, "at", buf, "buf");
     check_no_overlap(c, "cache", buf, "buf");

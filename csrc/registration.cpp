@@ -121,25 +121,27 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // the device, so a captured step ages too).
   m.def("_age_frequencies(Tensor(a!) freq, Tensor(b!) age, int period) -> ()");
   // One optimizer step on a step's staged rows (private, for the modules; rules.h has each
-  // rule's formula, torch's own): buf (parts, n, width) holds each row's weight (part 0,
-  // columns [0, dim)) and state (per element: the parts state_parts names, in the rule's order;
-  // a row-wise value (RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment): part 0,
-  // column dim), grad (n, dim) its gradient; rows r < count (one int64 on buf's device) update
-  // in place, the others are not touched. rule: 0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam,
-  // 4 AdamW, 5 PartialRowWiseAdam; hyper (lr, weight_decay, a, b, eps) with a, b = momentum,
-  // dampening (SGD), lr_decay, - (Adagrad), beta1, beta2 (Adam); flags: 1 maximize,
-  // 2 nesterov, 4 amsgrad, 8 SGD's first step; step the step count after this step's
-  // increment (Adagrad, Adam, PartialRowWiseAdam), read on the device when it lives there. With
-  // a row cache (parts, slots, width) and at (a slot per staged row, as _cache_lookup gives
-  // it): a row whose at[r] is a slot is updated there (its weight and state read and written
-  // there; its row in buf is not read: a step need not stage a cached row's weight). With
+  // rule's formula, torch's own): buf (n, record) uint8 holds each row's record, its fields at
+  // the byte offsets `fields` names: the weight (dim values of grad's dtype), the rule's row
+  // value (RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment: float32, float64
+  // with float64 state; -1 for the other rules), then the rule's per-element states in its
+  // order (dim values of state_dtype each); grad (n, dim) the gradient; rows r < count (one
+  // int64 on buf's device) update in place, the others are not touched. rule: 0 SGD, 1
+  // Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW, 5 PartialRowWiseAdam; hyper (lr,
+  // weight_decay, a, b, eps) with a, b = momentum, dampening (SGD), lr_decay, - (Adagrad),
+  // beta1, beta2 (Adam); flags: 1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step; step
+  // the step count after this step's increment (Adagrad, Adam, PartialRowWiseAdam), read on
+  // the device when it lives there. Math in float32 (float64 for float64 weights). With a row
+  // cache (slots, record) and at (a slot per staged row, as _cache_lookup gives it): a row
+  // whose at[r] is a slot is updated there (its weight and state read and written there; its
+  // row in buf is not read: a step need not stage a cached row's weight). With
   // rounding (seed, counter: 2 int64 on buf's device, read there), float16 and bfloat16 values
   // are stored rounded stochastically (unbiased; the draw a hash of seed, counter, the row's
   // position and the element, so a (seed, counter) gives the same bits on every device);
   // wider types ignore it.
   m.def("_fused_row_update(Tensor(a!) buf, Tensor grad, Tensor count, Tensor? step, int rule, "
-        "float[] hyper, int flags, int[] state_parts, Tensor(b!)? cache=None, Tensor? at=None, "
-        "Tensor? rounding=None) -> ()");
+        "float[] hyper, int flags, int[] fields, ScalarType state_dtype, Tensor(b!)? cache=None, "
+        "Tensor? at=None, Tensor? rounding=None) -> ()");
   // dst = src (float32) stored in dst's dtype, rounded stochastically where dst is float16 or
   // bfloat16 (as _fused_row_update rounds its stores; the draws of element i under the row
   // i / 2^16 of rounding's (seed, counter)), exactly where dst is float32 or float64; the

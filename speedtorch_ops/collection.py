@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _compile_eagerly,
-                      _eager, _lookup, _same_view)
+from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _check_state_dtype,
+                      _compile_eagerly, _eager, _lookup, _same_view)
 from .training.cache import CachedRows
-from .training.placement import upload
+from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
 
 _POOLING = ("sum", "mean", "none")
@@ -64,7 +64,9 @@ class TableConfig:
         pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
             HostEmbeddingCollection never pools.
         feature_names: the batch's keys that look this table up (default: ``[name]``).
-        dtype: the table's and its optimizer state's dtype (default: the collection's).
+        dtype: the table's weights' dtype (default: the collection's).
+        state_dtype: its optimizer state's dtype (default: the collection's; None: the
+            weights'), as HostEmbedding's ``state_dtype``.
 
     Example::
 
@@ -77,6 +79,7 @@ class TableConfig:
     pooling: str = "sum"
     feature_names: Sequence[str] = field(default_factory=tuple)
     dtype: Optional[torch.dtype] = None
+    state_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -95,9 +98,11 @@ class TableConfig:
             raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
                              f"strings, got {self.feature_names!r}")
         object.__setattr__(self, "feature_names", names)
-        if self.dtype is not None and self.dtype not in _FLOATING:
-            raise TypeError(f"TableConfig {self.name!r}: dtype must be a floating dtype "
-                            f"(float16, bfloat16, float32, float64) or None, got {self.dtype!r}")
+        for key in ("dtype", "state_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in _FLOATING:
+                raise TypeError(f"TableConfig {self.name!r}: {key} must be a floating dtype "
+                                f"(float16, bfloat16, float32, float64) or None, got {value!r}")
 
 
 class _Group(HostEmbedding):
@@ -136,7 +141,9 @@ class HostEmbeddingBagCollection(nn.Module):
         device: where a step's rows are staged (default: the current GPU, else the CPU).
         cache_bytes: the GPU row cache's budget for all tables (0: none).
         bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
-        dtype: the tables' and their state's dtype, where their TableConfig names none.
+        dtype: the tables' dtype, where their TableConfig names none.
+        state_dtype: their optimizer state's dtype, where their TableConfig names none (None:
+            each table's own dtype), as HostEmbedding's.
         stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
             fused updates stochastically unless False).
 
@@ -157,7 +164,8 @@ class HostEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", dtype=torch.float32,
-                 stochastic_rounding: Optional[bool] = None, _held_rows=None, _spare_rows=0):
+                 stochastic_rounding: Optional[bool] = None, state_dtype=None, _held_rows=None,
+                 _spare_rows=0):
         # _held_rows: the rows of each table this module holds (a sharded collection's rank
         # holds a part of each), default all; _spare_rows: rows each group holds past its
         # tables' (a sharded group's padding row).
@@ -183,9 +191,15 @@ class HostEmbeddingBagCollection(nn.Module):
         fnames = [f.name for f in self.features]
         if len(set(fnames)) != len(fnames):
             raise ValueError(f"tables: feature names must be distinct, got {fnames}")
-        # One group a (width, dtype), tables in their given order at row offsets.
-        kinds = [(t.embedding_dim, t.dtype or dtype) for t in tables]
-        widths = sorted(set(kinds), key=lambda kind: (kind[0], str(kind[1])))
+        # One group a (width, dtype, state dtype), tables in their given order at row offsets.
+        kinds = [(t.embedding_dim, t.dtype or dtype, t.state_dtype or state_dtype)
+                 for t in tables]
+        for t, (_, table_dtype, table_state) in zip(tables, kinds):
+            try:
+                _check_state_dtype(table_state, resolve_dtype(table_dtype))
+            except TypeError as e:
+                raise TypeError(f"TableConfig {t.name!r}: {e}") from None
+        widths = sorted(set(kinds), key=lambda kind: (kind[0], str(kind[1]), str(kind[2])))
         self._group_of = [widths.index(kind) for kind in kinds]
         self._offset = [0] * len(tables)
         rows = [0] * len(widths)
@@ -195,8 +209,8 @@ class HostEmbeddingBagCollection(nn.Module):
             rows[g] += self._rows[k]
         groups = [_Group(rows[g] + _spare_rows, width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                          device=device, bounds_check="prechecked", dtype=group_dtype,
-                         stochastic_rounding=stochastic_rounding)
-                  for g, (width, group_dtype) in enumerate(widths)]
+                         stochastic_rounding=stochastic_rounding, state_dtype=group_state)
+                  for g, (width, group_dtype, group_state) in enumerate(widths)]
         self._default_dtype = dtype
         self.groups = nn.ModuleList(groups)
         if cache_bytes and self.device.type != "cuda":

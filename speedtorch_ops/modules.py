@@ -297,6 +297,31 @@ def _pool(weight: Tensor, index: Tensor, bag: _BagInput, mode: str,
                            include_last_offset=include_last_offset, padding_idx=padding_idx)
 
 
+def _check_state_dtype(state_dtype, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """`state_dtype=` checked against the weights' `dtype`: None (the weights' dtype), float32
+    or bfloat16, or the weights' own; float64 tables keep float64 state."""
+    if state_dtype is None:
+        return None
+    try:
+        state_dtype = resolve_dtype(state_dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"state_dtype: {e}") from None
+    if dtype == torch.float64 and state_dtype != torch.float64:
+        raise TypeError(f"state_dtype: a float64 table keeps float64 optimizer state, got "
+                        f"{state_dtype}")
+    if state_dtype not in (torch.float32, torch.bfloat16, dtype):
+        raise TypeError(f"state_dtype must be torch.float32, torch.bfloat16, the weights' dtype "
+                        f"({dtype}) or None (the weights' dtype), got {state_dtype}")
+    return state_dtype
+
+
+def _state_dtype(setting: Optional[torch.dtype], dtype: torch.dtype) -> torch.dtype:
+    """The state's dtype for weights of `dtype`: the setting (state_dtype=), or the weights'
+    where it is None or they are float64 (a conversion by ``.double()`` takes the state
+    along)."""
+    return dtype if setting is None or dtype == torch.float64 else setting
+
+
 class _HostRowsModule(nn.Module):
     """What both modules share: the host table, the store, staging and the optimizer step."""
 
@@ -306,7 +331,7 @@ class _HostRowsModule(nn.Module):
                  dtype=torch.float32, optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", stochastic_rounding: Optional[bool] = None,
-                 _weight: Optional[Tensor] = None, _freeze: bool = False):
+                 state_dtype=None, _weight: Optional[Tensor] = None, _freeze: bool = False):
         super().__init__()
         _compile_eagerly(type(self))
         check_bounds_mode(bounds_check)
@@ -342,6 +367,7 @@ class _HostRowsModule(nn.Module):
             raise TypeError(f"stochastic_rounding must be a bool or None, got "
                             f"{stochastic_rounding!r}")
         self._rounding_setting = stochastic_rounding
+        self._state_setting = _check_state_dtype(state_dtype, resolve_dtype(dtype))
         self._optimizer_cls = optimizer
         self._optimizer_kwargs = dict(optimizer_kwargs or {})
         self._cache_budget = cache_bytes
@@ -395,32 +421,36 @@ class _HostRowsModule(nn.Module):
         self._fills, scalars = optim_state.state_layout(self.optimizer, group)
         optim_state.init_state(self.optimizer, self._rows, group, self._fills, scalars)
         self.state_keys = list(self._fills)
-        squares = [k for k in self.state_keys if k in _SQUARED_STATE]
-        if dtype == torch.float16 and squares:
-            warnings.warn(f"dtype=torch.float16 with {type(self.optimizer).__name__}: its state "
+        per_row = optim_state.row_state_keys(self.optimizer)
+        self.state_dtype = _state_dtype(self._state_setting, dtype)
+        # Per-row state is float32 whatever the state dtype (RowLayout).
+        squares = [k for k in self.state_keys if k in _SQUARED_STATE and k not in per_row]
+        if self.state_dtype == torch.float16 and squares:
+            warnings.warn(f"float16 state with {type(self.optimizer).__name__}: its state "
                           f"{squares} holds squared gradients, which fall below float16's range "
                           "(about 6e-8) and then stall or blow up the update; bfloat16 keeps "
-                          "float32's range", stacklevel=3)
-        per_row = optim_state.row_state_keys(self.optimizer)
+                          "float32's range (state_dtype=torch.bfloat16 or torch.float32)",
+                          stacklevel=3)
         self.layout = optim_state.RowLayout(
             self.embedding_dim, [k for k in self.state_keys if k not in per_row],
-            [k for k in self.state_keys if k in per_row], dtype)
+            [k for k in self.state_keys if k in per_row], dtype, self.state_dtype)
         placement = "pinned" if device.type == "cuda" else "cpu"
-        self.host = allocate((self.num_embeddings, self.layout.parts, self.layout.width), dtype,
+        self.host = allocate((self.num_embeddings, 1, self.layout.width), torch.uint8,
                              placement)
         self._fill_state()
         # Stochastic rounding of the fused update's 16-bit stores (on by default, as FBGEMM's):
         # (seed, counter) on the device, the counter rising every step. The seed comes from
         # torch's generator (_seed_rounding, after the weights are initialised: a table starts
         # from the same weights with or without it), so torch.manual_seed reproduces a run.
-        rounds = dtype in (torch.float16, torch.bfloat16) and self._rounding_setting is not False
+        rounds = (any(dt in (torch.float16, torch.bfloat16)
+                      for _, dt, _ in self.layout.fields.values())
+                  and self._rounding_setting is not False)
         self._rounding = (torch.zeros(2, dtype=torch.int64, device=device) if rounds else None)
         if rounds:
             state = self.optimizer.state[self._rows]
             state.update(zip(_ROUNDING, self._rounding.unbind()))
         self.store = self._make_store(self._cache_budget)
-        self._no_rows = torch.empty((self.layout.parts, 0, self.layout.width), dtype=dtype,
-                                    device=device)
+        self._no_rows = torch.empty((1, 0, self.layout.width), dtype=torch.uint8, device=device)
         self._staged: Optional[_Staged] = None
         self._in_place = False  # see _stage
         self._tail: Optional[_GradTail] = None  # see _lookup_source
@@ -489,7 +519,9 @@ class _HostRowsModule(nn.Module):
         plan = self._plan(tensors)
         direct = self._direct()
         self._in_place = direct and lookup_only
-        buf, d = self.store.stage(plan, spare, direct=direct, weights=not self._in_place)
+        weight_bytes = self.embedding_dim * self.dtype.itemsize  # at the front of a record
+        buf, d = self.store.stage(plan, spare, direct=direct,
+                                  weights=0 if self._in_place else weight_bytes)
         # The staged rows the optimizer and the backward see: on the CPU, where the count is
         # known without a wait, the distinct rows only (the rest would cost the optimizer's
         # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
@@ -656,7 +688,8 @@ class _HostRowsModule(nn.Module):
                                "forward); nothing was updated. Call discard() and run the step "
                                "again")
         self._settle_grad()  # torch's step reads every row of the gradient
-        if self._rounding is not None and grad is not None and not grad.is_sparse:
+        if ((self._rounding is not None or self.layout.mixed) and grad is not None
+                and not grad.is_sparse):
             self._torch_step_in_float32(staged, first)
         else:
             self._torch_step(first and grad is not None)
@@ -679,18 +712,20 @@ class _HostRowsModule(nn.Module):
             state["momentum_buffer"] = view
 
     def _torch_step_in_float32(self, staged: "_Staged", first: bool) -> None:
-        """torch's step for a 16-bit table with stochastic rounding: on a float32 copy of the
-        staged rows (weight and state) and gradient, given to the optimizer as its parameter
-        for this step, the results stored back rounded stochastically (ops._round_into), as
-        the fused update stores its own."""
-        low = staged.buf
-        high = low.float()
-        param = self.layout.of_staged(high, "weight").requires_grad_()
+        """torch's step for 16-bit weights or state, or fields of several dtypes (torch's
+        optimizers take one): on float32 copies of the staged weight, state and gradient,
+        given to the optimizer as its parameter for this step, each field stored back in its
+        own dtype, rounded stochastically (ops._round_into) as the fused update stores its
+        own, or to nearest without stochastic rounding."""
+        layout = self.layout
+        names = ["weight", *self.state_keys]
+        high = {name: layout.of_staged(staged.buf, name).float() for name in names}
+        param = high["weight"].requires_grad_()
         param.grad = self._rows.grad.float()
         group = self.optimizer.param_groups[0]
         own = self.optimizer.state.pop(self._rows)
         state = self.optimizer.state[param]
-        state.update((key, self.layout.of_staged(high, key) if key in self.state_keys else value)
+        state.update((key, high[key] if key in self.state_keys else value)
                      for key, value in own.items())
         group["params"] = [param]
         try:
@@ -701,10 +736,16 @@ class _HostRowsModule(nn.Module):
             # The scalars torch's step changed (a tensor in place, a number replaced) go back.
             own.update((key, value) for key, value in state.items() if key not in self.state_keys)
             self.optimizer.state[self._rows] = own
-        rounded = torch.empty_like(high, dtype=low.dtype)
-        ops._round_into(rounded, high, self._rounding)
-        self._rounding[1:] += 1
-        low.copy_(rounded)  # exact: the values are the format's own
+        with torch.no_grad():
+            for name in names:
+                low = layout.of_staged(staged.buf, name)
+                if self._rounding is None or low.dtype not in (torch.float16, torch.bfloat16):
+                    low.copy_(high[name])
+                    continue
+                rounded = torch.empty_like(high[name], dtype=low.dtype)
+                ops._round_into(rounded, high[name], self._rounding)
+                self._rounding[1:] += 1  # each field draws anew
+                low.copy_(rounded)  # exact: the values are the format's own
 
     @property
     def fused(self) -> bool:
@@ -1047,15 +1088,18 @@ class HostEmbedding(_HostRowsModule):
     Args:
         num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
             sparse: as nn.Embedding's (``sparse`` is accepted and changes nothing).
-        dtype: the table's and its optimizer state's dtype (a floating dtype).
+        dtype: the weights' dtype (float32, bfloat16, float16, float64).
+        state_dtype: the optimizer's per-element state's dtype: float32, bfloat16 or None (the
+            default: ``dtype``); a float64 table keeps float64 state. State kept one value a
+            row (RowWiseAdagrad, PartialRowWiseAdam) is float32 (float64 in a float64 table).
         optimizer, optimizer_kwargs: the torch optimizer class that updates the touched rows,
             and its arguments.
         device: where a step's rows are staged and the outputs live (default: the current
             GPU, else the CPU); the table stays in host memory (pinned with a GPU).
         cache_bytes: the GPU row cache's budget (0: none; ignored on the CPU).
         bounds_check: "raise" (GPU ids checked with one wait) or "prechecked".
-        stochastic_rounding: with a float16 or bfloat16 table, store the fused update's results
-            rounded stochastically (None, the default: on; False: round to nearest). Seeded
+        stochastic_rounding: with float16 or bfloat16 weights or state, store the update's
+            results rounded stochastically (None, the default: on; False: round to nearest). Seeded
             from torch's generator.
 
     Example::
@@ -1106,7 +1150,7 @@ class HostEmbeddingBag(_HostRowsModule):
     Args:
         num_embeddings, embedding_dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse,
             include_last_offset, padding_idx: as nn.EmbeddingBag's.
-        dtype, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check,
+        dtype, state_dtype, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check,
             stochastic_rounding: as HostEmbedding's.
 
     Returns (forward): ``(bags, dim)`` on ``device``.

@@ -245,23 +245,26 @@ def _age_frequencies(freq: Tensor, age: Tensor, period: int) -> None:
 
 
 def _fused_row_update(buf: Tensor, grad: Tensor, count: Tensor, step: Optional[Tensor],
-                      rule: int, hyper: Sequence[float], flags: int, state_parts: Sequence[int],
-                      cache: Optional[Tensor] = None, at: Optional[Tensor] = None,
-                      rounding: Optional[Tensor] = None) -> None:
+                      rule: int, hyper: Sequence[float], flags: int, fields: Sequence[int],
+                      state_dtype: torch.dtype, cache: Optional[Tensor] = None,
+                      at: Optional[Tensor] = None, rounding: Optional[Tensor] = None) -> None:
     """One optimizer step, in place, on the first ``count`` (one int64 on buf's device) staged
-    rows of ``buf`` (parts, n, width) with their gradient ``grad`` (n, dim): torch's formula of
-    ``rule`` (0 SGD, 1 Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW; 5 PartialRowWiseAdam, its
-    second moment at column dim of part 0) with ``hyper`` (lr, weight_decay, a, b, eps) and
-    ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first step), the per-element state in
-    the parts ``state_parts``; ``step`` the step count after this step's increment (Adagrad,
-    Adam, AdamW, PartialRowWiseAdam). Math in float32 (float64 for float64 rows). With a row
-    ``cache`` (parts, slots, width) and ``at`` (a slot per staged row): a row whose ``at[r]``
-    is a slot is updated in the cache (weight and state read and written there; its row in
-    ``buf`` is not read). ``rounding`` (seed, counter; int64 on buf's device): float16 and
-    bfloat16 values are stored rounded stochastically, the draw a hash of (seed, counter, the
-    row's position, the element), the same bits on every device."""
+    rows of ``buf`` (n, record) uint8, each a record of the row's weight and state, with their
+    gradient ``grad`` (n, dim) in the weights' dtype: torch's formula of ``rule`` (0 SGD, 1
+    Adagrad, 2 RowWiseAdagrad, 3 Adam, 4 AdamW, 5 PartialRowWiseAdam) with ``hyper`` (lr,
+    weight_decay, a, b, eps) and ``flags`` (1 maximize, 2 nesterov, 4 amsgrad, 8 SGD's first
+    step). ``fields``: the byte offsets in a record of the weight (dim values of grad's dtype),
+    the rule's per-row value (float32, float64 for float64 state; -1 for a rule without one)
+    and each per-element state in the rule's order (dim values of ``state_dtype`` each).
+    ``step`` the step count after this step's increment (Adagrad, Adam, AdamW,
+    PartialRowWiseAdam). Math in float32 (float64 for float64 rows). With a row ``cache``
+    (slots, record) and ``at`` (a slot per staged row): a row whose ``at[r]`` is a slot is
+    updated in the cache (weight and state read and written there; its row in ``buf`` is not
+    read). ``rounding`` (seed, counter; int64 on buf's device): float16 and bfloat16 values are
+    stored rounded stochastically, the draw a hash of (seed, counter, the row's position, the
+    element), the same bits on every device."""
     _ops._fused_row_update.default(buf, grad, count, step, rule, [float(v) for v in hyper],
-                                   flags, list(state_parts), cache, at, rounding)
+                                   flags, list(fields), state_dtype, cache, at, rounding)
 
 
 def _round_into(dst: Tensor, src: Tensor, rounding: Tensor) -> None:
@@ -477,9 +480,9 @@ def _round_into_fake(dst, src, rounding) -> None:
 
 
 @torch.library.register_fake("speedtorch_ops::_fused_row_update")
-def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, state_parts, cache=None,
-                           at=None, rounding=None) -> None:
-    torch._check(buf.dim() == 3 and grad.dim() == 2 and grad.shape[0] == buf.shape[1],
+def _fused_row_update_fake(buf, grad, count, step, rule, hyper, flags, fields, state_dtype,
+                           cache=None, at=None, rounding=None) -> None:
+    torch._check(buf.dim() == 2 and grad.dim() == 2 and grad.shape[0] == buf.shape[0],
                  lambda: "grad must have buf's rows")
 
 

@@ -169,10 +169,10 @@ __global__ void cache_admit_kernel(int32_t* slot_of, int64_t rows, int64_t* id_o
 // 512-byte row of uint4 is one load and one store per lane. Positions past the count, and
 // entries that name no slot, return at once.
 template <class V>
-__global__ void move_rows_kernel(V* dst, int64_t dst_part, const V* src, int64_t src_part,
-                                 int64_t slots, int64_t row, int64_t parts,
-                                 const int64_t* index, const int64_t* count, int64_t n,
-                                 bool take) {
+__global__ void move_rows_kernel(V* dst, int64_t dst_part, int64_t dst_row, const V* src,
+                                 int64_t src_part, int64_t src_row, int64_t slots, int64_t row,
+                                 int64_t parts, const int64_t* index, const int64_t* count,
+                                 int64_t n, bool take) {
   const int64_t m = min(n, max(*count, int64_t{0}));
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t{gridDim.x} * blockDim.x) >> 5;
@@ -181,23 +181,23 @@ __global__ void move_rows_kernel(V* dst, int64_t dst_part, const V* src, int64_t
     const int64_t i = t / parts, k = t - i * parts;
     const int64_t j = index[i];
     if (j < 0 || j >= slots) continue;
-    V* to = dst + k * dst_part + (take ? i : j) * row;
-    const V* from = src + k * src_part + (take ? j : i) * row;
+    V* to = dst + k * dst_part + (take ? i : j) * dst_row;
+    const V* from = src + k * src_part + (take ? j : i) * src_row;
     for (int64_t e = lane; e < row; e += 32) to[e] = from[e];
   }
 }
 
 template <class V>
-cudaError_t launch_move_rows_as(void* dst, int64_t dst_part, const void* src, int64_t src_part,
-                                int64_t slots, int64_t row_bytes, int64_t parts,
-                                const int64_t* index, const int64_t* count, int64_t n, bool take,
-                                cudaStream_t stream) {
+cudaError_t launch_move_rows_as(void* dst, int64_t dst_part, int64_t dst_row, const void* src,
+                                int64_t src_part, int64_t src_row, int64_t slots,
+                                int64_t row_bytes, int64_t parts, const int64_t* index,
+                                const int64_t* count, int64_t n, bool take, cudaStream_t stream) {
   constexpr int64_t kWarpsPerBlock = kThreads / 32;
+  constexpr int64_t kSize = sizeof(V);
   const int64_t blocks = std::min<int64_t>((n * parts + kWarpsPerBlock - 1) / kWarpsPerBlock, 4096);
   move_rows_kernel<V><<<static_cast<int>(std::max<int64_t>(blocks, 1)), kThreads, 0, stream>>>(
-      static_cast<V*>(dst), dst_part / int64_t{sizeof(V)}, static_cast<const V*>(src),
-      src_part / int64_t{sizeof(V)}, slots, row_bytes / int64_t{sizeof(V)}, parts, index, count,
-      n, take);
+      static_cast<V*>(dst), dst_part / kSize, dst_row / kSize, static_cast<const V*>(src),
+      src_part / kSize, src_row / kSize, slots, row_bytes / kSize, parts, index, count, n, take);
   return cudaGetLastError();
 }
 
@@ -307,20 +307,23 @@ cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, i
   return cudaGetLastError();
 }
 
-cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, const void* src,
-                             int64_t src_part_bytes, int64_t slots, int64_t row_bytes,
-                             int64_t parts, const int64_t* index, const int64_t* count, int64_t n,
-                             bool take, cudaStream_t stream) {
+cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, int64_t dst_row_stride,
+                             const void* src, int64_t src_part_bytes, int64_t src_row_stride,
+                             int64_t slots, int64_t row_bytes, int64_t parts,
+                             const int64_t* index, const int64_t* count, int64_t n, bool take,
+                             cudaStream_t stream) {
   if (n == 0 || parts == 0 || row_bytes == 0) return cudaSuccess;
   // The widest piece that every address and stride is a multiple of.
   const auto fits = [&](int64_t size) {
     return reinterpret_cast<uintptr_t>(dst) % size == 0 &&
            reinterpret_cast<uintptr_t>(src) % size == 0 && dst_part_bytes % size == 0 &&
-           src_part_bytes % size == 0 && row_bytes % size == 0;
+           src_part_bytes % size == 0 && dst_row_stride % size == 0 &&
+           src_row_stride % size == 0 && row_bytes % size == 0;
   };
   const auto go = [&](auto piece) {
-    return launch_move_rows_as<decltype(piece)>(dst, dst_part_bytes, src, src_part_bytes, slots,
-                                                row_bytes, parts, index, count, n, take, stream);
+    return launch_move_rows_as<decltype(piece)>(dst, dst_part_bytes, dst_row_stride, src,
+                                                src_part_bytes, src_row_stride, slots, row_bytes,
+                                                parts, index, count, n, take, stream);
   };
   if (fits(16)) return go(uint4{});
   if (fits(8)) return go(uint2{});

@@ -65,13 +65,14 @@ cudaError_t launch_cache_admit(int32_t* slot_of, int64_t rows, int64_t* id_of, i
                                int64_t* dest, cudaStream_t stream);
 
 // Rows between slots and positions, each tensor (parts, rows, row_bytes) with parts
-// *_part_bytes apart: for i < min(n, *count) with 0 <= index[i] < slots, take: dst row i =
-// src row index[i]; else dst row index[i] = src row i (index entries then distinct). Other
-// entries move nothing.
-cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, const void* src,
-                             int64_t src_part_bytes, int64_t slots, int64_t row_bytes,
-                             int64_t parts, const int64_t* index, const int64_t* count, int64_t n,
-                             bool take, cudaStream_t stream);
+// *_part_bytes and rows *_row_stride bytes apart: for i < min(n, *count) with
+// 0 <= index[i] < slots, take: dst row i = src row index[i]; else dst row index[i] = src row i
+// (index entries then distinct). Other entries move nothing.
+cudaError_t launch_move_rows(void* dst, int64_t dst_part_bytes, int64_t dst_row_stride,
+                             const void* src, int64_t src_part_bytes, int64_t src_row_stride,
+                             int64_t slots, int64_t row_bytes, int64_t parts,
+                             const int64_t* index, const int64_t* count, int64_t n, bool take,
+                             cudaStream_t stream);
 
 // Counts one step in *age; when the count reaches a multiple of period, freq[0:n] halves. The
 // kernel over freq returns at once on the other steps, so a captured step pays no pass.

@@ -267,6 +267,7 @@ void move_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& ind
   const int64_t item = dst.element_size();
   const int64_t row = c10::multiply_integers(dst.sizes().slice(2)) * item;
   const int64_t dst_part = dst.stride(0) * item, src_part = src.stride(0) * item;
+  const int64_t dst_row = dst.stride(1) * item, src_row = src.stride(1) * item;
   const int64_t slots = take ? src.size(1) : dst.size(1);
   auto* out = static_cast<char*>(dst.mutable_data_ptr());
   const auto* in = static_cast<const char*>(src.const_data_ptr());
@@ -277,7 +278,7 @@ void move_rows_cpu(at::Tensor& dst, const at::Tensor& src, const at::Tensor& ind
       if (j < 0 || j >= slots) continue;  // -1, or past the rows (a miss): nothing moves
       const int64_t to = take ? i : j, from = take ? j : i;
       for (int64_t k = 0; k < parts; ++k) {
-        std::memcpy(out + k * dst_part + to * row, in + k * src_part + from * row, row);
+        std::memcpy(out + k * dst_part + to * dst_row, in + k * src_part + from * src_row, row);
       }
     }
   });

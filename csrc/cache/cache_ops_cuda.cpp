@@ -161,10 +161,11 @@ void move_rows_cuda(at::Tensor& dst, const at::Tensor& src, const at::Tensor& in
   const c10::cuda::CUDAGuard guard(dst.device());
   const int64_t item = dst.element_size();
   C10_CUDA_CHECK(kernels::launch_move_rows(
-      dst.mutable_data_ptr(), dst.stride(0) * item, src.const_data_ptr(), src.stride(0) * item,
-      take ? src.size(1) : dst.size(1), c10::multiply_integers(dst.sizes().slice(2)) * item,
-      dst.size(0), index.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(),
-      index.numel(), take, stream_of(dst)));
+      dst.mutable_data_ptr(), dst.stride(0) * item, dst.stride(1) * item, src.const_data_ptr(),
+      src.stride(0) * item, src.stride(1) * item, take ? src.size(1) : dst.size(1),
+      c10::multiply_integers(dst.sizes().slice(2)) * item, dst.size(0),
+      index.const_data_ptr<int64_t>(), count.const_data_ptr<int64_t>(), index.numel(), take,
+      stream_of(dst)));
 }
 
 void take_rows_cuda(at::Tensor& out, const at::Tensor& src, const at::Tensor& index,

@@ -55,10 +55,15 @@ cudaError_t launch_gather_staged(Elem elem, const void* rows, int64_t row_stride
   if (n == 0 || dim == 0) return cudaSuccess;
   const auto go = [&](auto zero) {
     using V = decltype(zero);
-    constexpr int kVec = static_cast<int>(16 / sizeof(V));
-    const bool vec = dim % kVec == 0 && row_stride % kVec == 0 && aligned16(rows) &&
-                     aligned16(out) &&
-                     (cache == nullptr || (aligned16(cache) && cache_stride % kVec == 0));
+    // The widest VW (16 bytes, else 8, else one element) every row and pointer is aligned to.
+    const auto fits = [&](int64_t vw) {
+      const int64_t bytes = vw * static_cast<int64_t>(sizeof(V));
+      return dim % vw == 0 && row_stride % vw == 0 && aligned(rows, bytes) &&
+             aligned(out, bytes) &&
+             (cache == nullptr || (aligned(cache, bytes) && cache_stride % vw == 0));
+    };
+    constexpr int kVec16 = static_cast<int>(16 / sizeof(V));
+    constexpr int kVec8 = static_cast<int>(8 / sizeof(V));
     const int64_t warps = (n + kRowsPerWarp - 1) / kRowsPerWarp;
     const int blocks = static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>((warps * kWarp + kThreads - 1) / kThreads, 65535)));
@@ -69,8 +74,11 @@ cudaError_t launch_gather_staged(Elem elem, const void* rows, int64_t row_stride
           cache_stride, slots, at, static_cast<V*>(out));
       return cudaGetLastError();
     };
-    return vec ? launch(std::integral_constant<int, kVec>{})
-               : launch(std::integral_constant<int, 1>{});
+    if (fits(kVec16)) return launch(std::integral_constant<int, kVec16>{});
+    if constexpr (kVec8 > 1) {
+      if (fits(kVec8)) return launch(std::integral_constant<int, kVec8>{});
+    }
+    return launch(std::integral_constant<int, 1>{});
   };
   return with_float_elem(elem, go);
 }

@@ -32,10 +32,11 @@ template <> __device__ __forceinline__ void store(__nv_bfloat16* p, float v) {
   *p = __float2bfloat16(v);
 }
 
-// VW consecutive elements moved by one load or store instruction: 16 bytes with
-// VW = 16 / sizeof(V) where every row and pointer allows it (a lane then moves a 512-byte row's
-// share at once), else VW = 1.
-template <class V, int VW> struct alignas(VW * sizeof(V)) Pack {
+// VW consecutive elements moved at once: by one load or store instruction up to 16 bytes
+// (VW = 16 / sizeof(V) where every row and pointer allows it: a lane then moves a 512-byte
+// row's share at once), by 16-byte pieces beyond (a float32 state beside 16-bit weights).
+constexpr size_t pack_align(size_t bytes) { return bytes < 16 ? bytes : 16; }
+template <class V, int VW> struct alignas(pack_align(VW * sizeof(V))) Pack {
   V v[VW];
 };
 
@@ -92,6 +93,9 @@ __device__ __forceinline__ void store_pack_rounded(V* p, const T* x, bool rounds
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool aligned(const void* p, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(bytes) == 0;
+}
 
 // go(V{}) for the element type of `elem` (F32, F64, F16, BF16); others are refused.
 template <class F> cudaError_t with_float_elem(Elem elem, F&& go) {

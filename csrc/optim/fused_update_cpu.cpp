@@ -1,5 +1,5 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
-// the staged rows are independent, so they split over the threads.
+// the staged records are independent, so they split over the threads.
 #include "hyper.h"
 #include "rounding_aten.h"
 #include "rules.h"
@@ -29,47 +29,75 @@ template <class S> struct Stores {
   S operator()(double x, uint32_t) const { return static_cast<S>(x); }
 };
 
+// go(W{}, S{}) for the weights' and the state's element types (the pairs check_fused_update_args
+// lets through: float64 with float64, else a state of float32, bfloat16 or the weights' type).
+template <class F> void with_types(at::ScalarType type, F&& go) {
+  switch (type) {
+    case at::kFloat: return go(float{});
+    case at::kDouble: return go(double{});
+    case at::kHalf: return go(at::Half{});
+    case at::kBFloat16: return go(at::BFloat16{});
+    default: TORCH_CHECK(false, "unsupported dtype ", type);
+  }
+}
+
+template <class F> void with_pair(at::ScalarType weights, at::ScalarType state, F&& go) {
+  with_types(weights, [&](auto w) {
+    with_types(state, [&](auto s) {
+      using W = decltype(w);
+      using S = decltype(s);
+      constexpr bool wide_w = std::is_same_v<W, double>, wide_s = std::is_same_v<S, double>;
+      if constexpr (wide_w == wide_s &&
+                    (std::is_same_v<S, W> || std::is_same_v<S, float> ||
+                     std::is_same_v<S, at::BFloat16>)) {
+        go(w, s);
+      } else {
+        TORCH_CHECK(false, "state_dtype ", state, " with ", weights, " weights");
+      }
+    });
+  });
+}
+
 void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                           const c10::optional<at::Tensor>& step, int64_t rule_arg,
-                          at::ArrayRef<double> hyper, int64_t flags,
-                          at::ArrayRef<int64_t> state_parts,
-                          const c10::optional<at::Tensor>& cache,
+                          at::ArrayRef<double> hyper, int64_t flags, at::ArrayRef<int64_t> fields,
+                          at::ScalarType state_dtype, const c10::optional<at::Tensor>& cache,
                           const c10::optional<at::Tensor>& at,
                           const c10::optional<at::Tensor>& rounding) {
-  const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
-                                                       flags, state_parts, cache, at, rounding);
+  const optim::Checked checked = optim::checked_update(
+      buf, grad, count, step, rule_arg, hyper, flags, fields, state_dtype, cache, at, rounding);
   const optim::Rule rule = checked.rule;
   const optim::Hyper h = checked.hyper;
-  const int64_t n = buf.size(1), width = buf.size(2), dim = grad.size(1);
+  const int64_t n = buf.size(0), record = buf.size(1), dim = grad.size(1);
   const int64_t rows = std::clamp<int64_t>(count.item<int64_t>(), 0, n);
-  const int64_t part_stride = buf.stride(0);
-  const int states = static_cast<int>(state_parts.size());
+  const int states = static_cast<int>(fields.size()) - 2;
   const bool momentum = rule == optim::Rule::kSgd && states > 0;
-  const std::vector<int64_t> parts(state_parts.begin(), state_parts.end());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, buf.scalar_type(), "fused_row_update",
-                                  [&] {
-    using T = at::opmath_type<scalar_t>;
-    scalar_t* base = buf.mutable_data_ptr<scalar_t>();
-    const scalar_t* g_base = grad.const_data_ptr<scalar_t>();
-    scalar_t* c_base = cache.has_value() ? cache->mutable_data_ptr<scalar_t>() : nullptr;
-    const int64_t c_stride = cache.has_value() ? cache->stride(0) : 0;
-    const int64_t slots = cache.has_value() ? cache->size(1) : 0;
-    const int64_t* slot_at = at.has_value() ? at->const_data_ptr<int64_t>() : nullptr;
-    const int64_t at_len = at.has_value() ? at->numel() : 0;
-    const int64_t row_bytes = (1 + states) * dim * static_cast<int64_t>(sizeof(scalar_t));
-    at::parallel_for(0, rows, grain_for(rows, row_bytes, 256), [&](int64_t lo, int64_t hi) {
+  const std::vector<int64_t> offsets(fields.begin(), fields.end());
+  uint8_t* base = buf.mutable_data_ptr<uint8_t>();
+  uint8_t* c_base = cache.has_value() ? cache->mutable_data_ptr<uint8_t>() : nullptr;
+  const int64_t slots = cache.has_value() ? cache->size(0) : 0;
+  const int64_t* slot_at = at.has_value() ? at->const_data_ptr<int64_t>() : nullptr;
+  const int64_t at_len = at.has_value() ? at->numel() : 0;
+  with_pair(grad.scalar_type(), state_dtype, [&](auto w_zero, auto s_zero) {
+    using W = decltype(w_zero);
+    using S = decltype(s_zero);
+    using T = at::opmath_type<W>;
+    using R = std::conditional_t<std::is_same_v<S, double>, double, float>;  // the row value
+    const W* g_base = grad.const_data_ptr<W>();
+    at::parallel_for(0, rows, grain_for(rows, record, 256), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
-        const Stores<scalar_t> put{checked.rounds,
-                                   optim::row_key(checked.seed, checked.counter, r)};
-        const scalar_t* g_row = g_base + r * dim;
-        // Where the row lives: its cache slot, else its staged row (part 0; parts `stride` apart).
-        scalar_t* home = base + r * width;
-        int64_t stride = part_stride;
+        const uint64_t key = optim::row_key(checked.seed, checked.counter, r);
+        const Stores<W> put_w{checked.rounds, key};
+        const Stores<S> put_s{checked.rounds, key};
+        const W* g_row = g_base + r * dim;
+        // Where the row lives: its cache slot, else its staged record.
+        uint8_t* home = base + r * record;
         if (c_base != nullptr && r < at_len && slot_at[r] >= 0 && slot_at[r] < slots) {
-          home = c_base + slot_at[r] * width;
-          stride = c_stride;
+          home = c_base + slot_at[r] * record;
         }
-        const scalar_t* w_row = home;  // the weight too is read where the row lives
+        W* w_row = reinterpret_cast<W*>(home + offsets[0]);
+        S* s_row[3] = {nullptr, nullptr, nullptr};
+        for (int k = 0; k < states; ++k) s_row[k] = reinterpret_cast<S*>(home + offsets[2 + k]);
         T row_sum = 0;
         if (optim::has_row_value(rule)) {
           T sq = 0;
@@ -77,20 +105,19 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
             const T g = optim::effective_grad<T>(g_row[j], w_row[j], h, rule);
             sq += g * g;
           }
-          row_sum = optim::row_value<T>(rule, h, static_cast<T>(w_row[dim]),
+          R* value = reinterpret_cast<R*>(home + offsets[1]);
+          row_sum = optim::row_value<T>(rule, h, static_cast<T>(*value),
                                         sq / static_cast<T>(dim));
-          home[dim] = put(row_sum, optim::kRowElement);
+          *value = static_cast<R>(row_sum);
         }
         for (int64_t j = 0; j < dim; ++j) {
           T w = w_row[j];
           const T g = optim::effective_grad<T>(g_row[j], w, h, rule);
           T s[3] = {0, 0, 0};
-          for (int k = 0; k < states; ++k) s[k] = home[parts[k] * stride + j];
+          for (int k = 0; k < states; ++k) s[k] = static_cast<T>(s_row[k][j]);
           optim::update<T>(rule, h, g, w, s, momentum, row_sum);
-          home[j] = put(w, optim::weight_element(j));
-          for (int k = 0; k < states; ++k) {
-            home[parts[k] * stride + j] = put(s[k], optim::state_element(k, j));
-          }
+          w_row[j] = put_w(w, optim::weight_element(j));
+          for (int k = 0; k < states; ++k) s_row[k][j] = put_s(s[k], optim::state_element(k, j));
         }
       }
     });

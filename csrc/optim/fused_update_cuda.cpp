@@ -18,14 +18,12 @@ namespace {
 void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                            const c10::optional<at::Tensor>& step, int64_t rule_arg,
                            at::ArrayRef<double> hyper, int64_t flags,
-                           at::ArrayRef<int64_t> state_parts,
+                           at::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
                            const c10::optional<at::Tensor>& cache,
                            const c10::optional<at::Tensor>& at,
                            const c10::optional<at::Tensor>& rounding) {
-  const optim::Checked checked = optim::checked_update(buf, grad, count, step, rule_arg, hyper,
-                                                       flags, state_parts, cache, at, rounding);
-  const optim::Rule rule = checked.rule;
-  const optim::Hyper h = checked.hyper;
+  const optim::Checked checked = optim::checked_update(
+      buf, grad, count, step, rule_arg, hyper, flags, fields, state_dtype, cache, at, rounding);
   const c10::cuda::CUDAGuard guard(buf.device());
   const void* step_ptr = nullptr;  // a count on the device: the kernel derives the constants
   bool step_f64 = false;
@@ -33,14 +31,14 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
     step_ptr = step->const_data_ptr();
     step_f64 = step->scalar_type() == at::kDouble;
   }
-  int parts[3] = {0, 0, 0};
-  for (size_t k = 0; k < state_parts.size(); ++k) parts[k] = static_cast<int>(state_parts[k]);
+  kernels::RecordFields f{fields[0], fields[1], {0, 0, 0}, static_cast<int>(fields.size()) - 2};
+  for (int k = 0; k < f.states; ++k) f.state[k] = fields[2 + k];
   C10_CUDA_CHECK(kernels::launch_fused_row_update(
-      torch_cuda::elem_of(buf.scalar_type()), buf.mutable_data_ptr(), buf.size(1), buf.stride(0),
-      buf.size(2), grad.size(1), grad.const_data_ptr(), count.const_data_ptr<int64_t>(), rule, h,
-      step_ptr, step_f64, parts, static_cast<int>(state_parts.size()),
+      torch_cuda::elem_of(grad.scalar_type()), torch_cuda::elem_of(state_dtype),
+      buf.mutable_data_ptr(), buf.size(0), buf.size(1), f, grad.size(1), grad.const_data_ptr(),
+      count.const_data_ptr<int64_t>(), checked.rule, checked.hyper, step_ptr, step_f64,
       cache.has_value() ? cache->mutable_data_ptr() : nullptr,
-      cache.has_value() ? cache->stride(0) : 0, cache.has_value() ? cache->size(1) : 0,
+      cache.has_value() ? cache->size(0) : 0,
       at.has_value() ? at->const_data_ptr<int64_t>() : nullptr, at.has_value() ? at->numel() : 0,
       checked.rounds ? rounding->const_data_ptr<int64_t>() : nullptr,  // on buf's device
       at::cuda::getCurrentCUDAStream(buf.device().index())));

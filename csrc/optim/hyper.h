@@ -26,12 +26,12 @@ struct Checked {
 inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
                               const at::Tensor& count, const c10::optional<at::Tensor>& step,
                               int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                              c10::ArrayRef<int64_t> state_parts,
+                              c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
                               const c10::optional<at::Tensor>& cache,
                               const c10::optional<at::Tensor>& at,
                               const c10::optional<at::Tensor>& rounding) {
-  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, state_parts, cache, at,
-                          rounding);
+  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, fields, state_dtype, cache,
+                          at, rounding);
   Checked c{static_cast<Rule>(rule), Hyper{}};
   c.hyper.lr = hyper[0];
   c.hyper.weight_decay = hyper[1];
@@ -40,8 +40,8 @@ inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
   c.hyper.eps = hyper[4];
   c.hyper.flags = flags;
   if (step.has_value() && step->device().is_cpu()) derive(c.hyper, c.rule, step->item<double>());
-  const auto type = buf.scalar_type();
-  c.rounds = rounding.has_value() && (type == at::kHalf || type == at::kBFloat16);
+  const auto narrow = [](at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; };
+  c.rounds = rounding.has_value() && (narrow(grad.scalar_type()) || narrow(state_dtype));
   if (c.rounds && rounding->device().is_cpu()) {
     const int64_t* r = rounding->const_data_ptr<int64_t>();
     c.seed = static_cast<uint64_t>(r[0]);

@@ -2,9 +2,8 @@
 // (registration.cpp has the op's contract). Torch-free and CUDA-free: plain C++ that compiles
 // for the host and, under nvcc, for the device. Each rule is torch's own formula for one
 // element (RowWiseAdagrad: one accumulator per row), written for a row's weight and state
-// held in a staged buffer (parts, rows, width): the weight in part 0, columns [0, dim); a
-// per-element state in a part of its own; a row-wise value (RowWiseAdagrad's accumulator,
-// PartialRowWiseAdam's second moment) at part 0, column dim.
+// held in a record of bytes (the op's `fields` say where): the weight, each per-element state,
+// and a row-wise value (RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment).
 #pragma once
 
 #include <cmath>
@@ -28,7 +27,7 @@ enum class Rule : int64_t {
   kPartialRowWiseAdam = 5,  // speedtorch_ops.PartialRowWiseAdam
 };
 
-// The rules that keep one value per row (at part 0, column dim) from the row's mean squared
+// The rules that keep one value per row (the record's row value) from the row's mean squared
 // gradient: RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment.
 SPEEDTORCH_HD bool has_row_value(Rule rule) {
   return rule == Rule::kRowWiseAdagrad || rule == Rule::kPartialRowWiseAdam;

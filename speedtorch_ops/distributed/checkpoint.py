@@ -4,9 +4,12 @@ as one state_dict for the single-process ``HostEmbedding`` (``full_state_dict``)
 
 Layout of ``directory``:
     meta.json                   sizes, dtype, world size, partition, optimizer and its settings
-    shard-00000-of-00002.pt     {"rows": (local_rows, parts, width), "parts": where each
-                                 state_dict entry sits in a row ([name, part, start, stop],
-                                 stop None for one column), "scalars": {name: tensor}}
+    shard-00000-of-00002.pt     {"rows": (local_rows, 1, record) uint8, "parts": where each
+                                 state_dict entry sits in a record ([name, byte offset,
+                                 values (None: one), dtype]), "scalars": {name: tensor}}
+                                (files written before rows were records: "rows" (local_rows,
+                                 parts, width) of the table's dtype, "parts" [name, part,
+                                 start, stop], stop None for one column; they load too)
 Row ``id`` of a checkpoint saved at world ``W`` is row ``id // W`` of file ``id % W``.
 """
 
@@ -34,8 +37,7 @@ def shard_file(directory: str, rank: int, world: int) -> str:
 
 def split_state(shard, state: Optional[dict] = None) -> tuple:
     """(where each per-row state_dict entry of the single-process module `shard` sits in its
-    host table's rows: [name, part, start, stop], stop None for one column; the optimizer's
-    scalars as state_dict entries). `state`: the module's state_dict entries, when its
+    host table's records (layout_places); the optimizer's scalars as state_dict entries). `state`: the module's state_dict entries, when its
     ``state_dict()`` does not hold them (a collection's group)."""
     places = layout_places(shard)
     names = {place[0] for place in places}
@@ -56,16 +58,28 @@ def _write_meta(directory: str, meta: dict) -> None:
 
 
 def _places(parts, width: int) -> list:
-    """A file's "parts" as places; files written before rows could pack per-row state list
-    names only, one part each."""
+    """A file's "parts" as places: [name, byte offset, values, dtype] in records; files of
+    typed rows: [name, part, start, stop]; the oldest list names only, one part each."""
     return [[p, k, 0, width] if isinstance(p, str) else list(p) for k, p in enumerate(parts)]
 
 
+def _names(places) -> list:
+    return [p[0] for p in places]
+
+
 def row_views(rows: Tensor, parts) -> dict:
-    """The state_dict entries (views) of `rows` (n, parts, width) laid out as `parts`."""
+    """The state_dict entries (views) of `rows` laid out as `parts`: records (n, 1, record)
+    uint8, or the typed rows (n, parts, width) of files written before records."""
     out = {}
-    for name, part, start, stop in _places(parts, rows.shape[2]):
-        out[name] = rows[:, part, start:stop] if stop is not None else rows[:, part, start]
+    for place in _places(parts, rows.shape[2]):
+        if isinstance(place[3], str):  # [name, offset, values, dtype] in a record
+            name, offset, values, dtype = place
+            dtype = getattr(torch, dtype)
+            view = rows[:, 0, offset:offset + dtype.itemsize * (values or 1)].view(dtype)
+            out[name] = view if values is not None else view[:, 0]
+        else:
+            name, part, start, stop = place
+            out[name] = rows[:, part, start:stop] if stop is not None else rows[:, part, start]
     return out
 
 
@@ -101,6 +115,8 @@ def save(module, directory: str) -> None:
                 "optimizer_kwargs": _json_settings(module.optimizer.param_groups[0])}
         if hasattr(module, "mode"):
             meta["mode"] = module.mode
+        if module.state_dtype != module.dtype:
+            meta["state_dtype"] = str(module.state_dtype).removeprefix("torch.")
         _write_meta(directory, meta)
     dist.barrier(group=module.route_group)  # a load that follows sees every file
 
@@ -181,15 +197,17 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
     if "mode" in meta and "mode" in inspect.signature(cls.__init__).parameters:
         kwargs.setdefault("mode", meta["mode"])  # a bag's reduction
     kwargs.setdefault("dtype", getattr(torch, meta["dtype"]))
+    if "state_dtype" in meta:
+        kwargs.setdefault("state_dtype", getattr(torch, meta["state_dtype"]))
     module = cls(meta["num_embeddings"], meta["embedding_dim"], optimizer=optimizer,
                  optimizer_kwargs=optimizer_kwargs, group=group, **kwargs)
     ids = torch.arange(module.rank, module.num_embeddings, module.world)
     rows, parts, scalars = rows_of(directory, meta, ids)
     places, _ = split_state(module.shard)
     saved = _places(parts, rows.shape[2])
-    if saved != places:
-        raise ValueError(f"optimizer: the checkpoint's rows hold {[p[0] for p in saved]}, this "
-                         f"optimizer keeps {[p[0] for p in places]} (settings such as amsgrad or "
+    if _names(saved) != _names(places):
+        raise ValueError(f"optimizer: the checkpoint's rows hold {_names(saved)}, this "
+                         f"optimizer keeps {_names(places)} (settings such as amsgrad or "
                          "momentum differ)")
     padded = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])  # the shard's padding row
     state = row_views(padded, parts)
@@ -216,20 +234,24 @@ def _group_places(group) -> tuple:
 
 def layout_places(module) -> list:
     """Where each per-row state_dict entry of `module` (a single-process module, or a
-    collection's group) sits in its host table's rows: [name, part, start, stop], stop None for
-    one column."""
-    places = []
-    for key, (part, cols) in module.layout.at.items():
-        name = key if key == "weight" else f"optimizer.{key}"
-        places.append([name, part, cols.start, cols.stop] if isinstance(cols, slice)
-                      else [name, part, cols, None])
-    return places
+    collection's group) sits in its host table's records: [name, byte offset, values (None:
+    one), dtype]."""
+    return [[key if key == "weight" else f"optimizer.{key}", *rest]
+            for key, *rest in module.layout.places()]
 
 
 def _tables_meta(ebc) -> list:
-    return [[t.name, t.num_embeddings, t.embedding_dim,
-             str(ebc.groups[ebc._group_of[k]].dtype).removeprefix("torch.")]
-            for k, t in enumerate(ebc.tables)]
+    """[name, rows, dim, dtype] of each table, and its state's dtype after them where it is
+    not the table's."""
+    out = []
+    for k, t in enumerate(ebc.tables):
+        group = ebc.groups[ebc._group_of[k]]
+        meta = [t.name, t.num_embeddings, t.embedding_dim,
+                str(group.dtype).removeprefix("torch.")]
+        if group.state_dtype != group.dtype:
+            meta.append(str(group.state_dtype).removeprefix("torch."))
+        out.append(meta)
+    return out
 
 
 def save_collection(ebc, directory: str) -> None:
@@ -290,10 +312,10 @@ def _collection_rows(ebc, directory: str) -> list:
         places = layout_places(group)
         saved = files[0]["groups"][g]
         saved_places = _places(saved["parts"], saved["rows"].shape[2])
-        if saved_places != places:
+        if _names(saved_places) != _names(places):
             raise ValueError(f"directory: the checkpoint's rows hold "
-                             f"{[p[0] for p in saved_places]}, this optimizer keeps "
-                             f"{[p[0] for p in places]} (settings such as amsgrad or momentum "
+                             f"{_names(saved_places)}, this optimizer keeps "
+                             f"{_names(places)} (settings such as amsgrad or momentum "
                              "differ)")
         pieces = []
         starts = [0] * saved_world  # where the table's rows begin in each saved rank's group
@@ -307,10 +329,13 @@ def _collection_rows(ebc, directory: str) -> list:
                 if len(at):
                     rows[at] = files[r]["groups"][g]["rows"][starts[r] + ids[at] // saved_world]
                 starts[r] += local_rows(rows_k, r, saved_world)
-            pieces.append(rows)
+            pieces.append(row_views(rows, saved["parts"]))
         held = group.num_embeddings - ebc.padding_rows
-        pieces.append(group.host[held:].clone())  # this rank's padding rows, as they are
-        state = row_views(torch.cat(pieces), saved["parts"])
+        # this rank's padding rows, as they are
+        pieces.append(row_views(group.host[held:].clone(), places))
+        # Entry by entry: a file's rows need not be records of this group's layout.
+        state = {name: torch.cat([p[name].to(pieces[-1][name].dtype) for p in pieces])
+                 for name in _names(places)}
         # The scalars (step counts, a 16-bit group's rounding seed): this rank's own at the
         # same world size, so a resumed run draws as the unbroken one; else rank 0's.
         own = files[ebc.rank] if saved_world == ebc.world else files[0]

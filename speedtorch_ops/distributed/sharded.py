@@ -129,7 +129,7 @@ class _ShardedRows(nn.Module):
                  optimizer=torch.optim.Adam, optimizer_kwargs: Optional[dict] = None,
                  group=None, device=None, cache_bytes: int = 0, grad_scale: float = 1.0,
                  route_group=None, stochastic_rounding: Optional[bool] = None,
-                 _local_weight: Optional[Tensor] = None):
+                 state_dtype=None, _local_weight: Optional[Tensor] = None):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
@@ -161,7 +161,7 @@ class _ShardedRows(nn.Module):
         # and a rank that owns no row (world > num_embeddings) still has a table.
         kwargs = dict(dtype=dtype, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                       device=device, cache_bytes=cache_bytes,
-                      stochastic_rounding=stochastic_rounding)
+                      stochastic_rounding=stochastic_rounding, state_dtype=state_dtype)
         if _local_weight is not None:
             pad = _local_weight.new_zeros((1, embedding_dim))
             self.shard = HostEmbedding.from_pretrained(torch.cat([_local_weight, pad]),
@@ -178,6 +178,11 @@ class _ShardedRows(nn.Module):
     def dtype(self) -> torch.dtype:
         """The table's dtype (the shard's: conversions such as ``.double()`` reach it)."""
         return self.shard.dtype
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The optimizer state's dtype (the shard's)."""
+        return self.shard.state_dtype
 
     @property
     def device(self) -> torch.device:
@@ -243,8 +248,8 @@ class _ShardedRows(nn.Module):
         self.shard.reset_parameters(init)
 
     def _local_table(self) -> Tensor:
-        """This rank's rows (local_rows, parts, width): weight and state side by side, laid out
-        as ``self.shard.layout`` says."""
+        """This rank's rows (local_rows, 1, record) uint8: each row's weight and state in one
+        record, laid out as ``self.shard.layout`` says."""
         self.shard.flush()
         return self.shard.host[: self.local_rows]
 
@@ -311,9 +316,9 @@ class ShardedHostEmbedding(_ShardedRows):
     ``forward(ids, *more_ids)`` (collective): one output ``(*ids.shape, dim)`` per id tensor.
 
     Args:
-        num_embeddings, embedding_dim, dtype, optimizer, optimizer_kwargs, device,
-            cache_bytes, stochastic_rounding: as HostEmbedding's, for the whole table (each
-            rank holds its rows).
+        num_embeddings, embedding_dim, dtype, state_dtype, optimizer, optimizer_kwargs,
+            device, cache_bytes, stochastic_rounding: as HostEmbedding's, for the whole table
+            (each rank holds its rows).
         group: the process group (default: the default group); every member builds the module.
         grad_scale: the factor of the summed gradients of a row (1: one process on the
             concatenated batches with the summed loss; 1 / world: DDP's average).

@@ -233,15 +233,16 @@ class HostRows:
 
     @_phase
     def stage(self, plan: Plan, spare: int = 0, direct: bool = False,
-              weights: bool = True) -> tuple:
+              weights: Optional[int] = None) -> tuple:
         """(buffer (parts, n + spare, *row) whose first ``count`` rows are the distinct rows,
         Distinct). The rows past ``count`` are undefined and never moved (nothing reads them; an
         optimizer that reduces over the whole buffer would see them); ``spare`` rows past the
         plan's are the caller's (a bag's padding entries point there). On the CPU the buffer is
         the store's own, and the next stage reuses it (``_stage_buffer``). ``direct`` (the
-        caller updates the rows with ``direct_target``): a cache stages only the weight part of
-        its hits (none of it with ``weights=False``: the caller reads them in their slots too)
-        and updates them in their slots; this store has none, so neither changes anything."""
+        caller updates the rows with ``direct_target``): a cache stages only the first
+        ``weights`` bytes of its hits' records, their weights (none with 0: the caller reads
+        them in their slots too; None: whole records), and updates them in their slots; this
+        store has none, so neither changes anything."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
         carried = self._take_carry(buf, d, d.valid)
@@ -500,7 +501,7 @@ class CachedRows(HostRows):
 
     @_phase
     def stage(self, plan: Plan, spare: int = 0, direct: bool = False,
-              weights: bool = True) -> tuple:
+              weights: Optional[int] = None) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
         # Hits from the cache (every other entry names the slot past its end), misses from the
@@ -520,12 +521,12 @@ class CachedRows(HostRows):
         self._lane_uses = [d, at, order, misses, victims]
         buf = self._buffer(d.n + spare)
         # The hits' rows only (a miss's `at` is past the cache), not every position as an
-        # index_select would; direct: their weight part only (the update reads their state in
-        # the cache and writes them there).
-        if not direct:
+        # index_select would; direct: their weights only (the update reads their state in the
+        # cache and writes them there).
+        if not direct or weights is None:
             ops._take_rows(buf, self.cache, at, d.count)
         elif weights:
-            ops._take_rows(buf[:1], self.cache[:1], at, d.count)
+            ops._take_rows(buf[..., :weights], self.cache[..., :weights], at, d.count)
         # The misses no prefetch loaded, on this stream (it needs them next), capped like the
         # lane's loads: they share the link with the evictions. No row is in both: a miss is not
         # cached, an evicted row is.

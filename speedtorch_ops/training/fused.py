@@ -90,11 +90,12 @@ class FusedUpdate(NamedTuple):
     def step(self, optimizer: torch.optim.Optimizer, param: Tensor, buf: Tensor, count: Tensor,
              layout: RowLayout, first_step: bool = False, cache: Optional[Tensor] = None,
              at: Optional[Tensor] = None, rounding: Optional[Tensor] = None) -> bool:
-        """One fused step of `optimizer` on the staged rows `buf` (parts, n, width) whose
+        """One fused step of `optimizer` on the staged rows `buf` (1, n, record) whose
         weight `param` is (its parameter, gradient set), the first `count` rows (one int64 on
         buf's device) only; the step count (Adam, Adagrad) rises by one as torch's would.
         `first_step`: SGD's momentum buffer takes the gradient (torch's first step). With a row
-        `cache` and `at` (a slot per staged row), the rows cached there are updated there.
+        `cache` (1, slots, record) and `at` (a slot per staged row), the rows cached there are
+        updated there.
         `rounding` (seed, counter on buf's device): 16-bit values are stored rounded
         stochastically, and the counter rises by one. Returns False, changing nothing, when
         the group's hyper-parameters are not all host numbers."""
@@ -108,7 +109,9 @@ class FusedUpdate(NamedTuple):
             flags |= FIRST_STEP if first_step else 0
         if self.rule in (ADAM, ADAMW) and group.get("amsgrad"):
             flags |= AMSGRAD
-        parts = [layout.at[key][0] for key in self.state_keys]
+        per_row = [name for name, (_, _, values) in layout.fields.items() if values is None]
+        fields = layout.offsets(["weight"]) + (layout.offsets(per_row) or [-1]) + \
+            layout.offsets(self.state_keys)
         state = optimizer.state[param]
         step = None
         if self.rule in (ADAGRAD, ADAM, ADAMW, PARTIAL_ROWWISE_ADAM):
@@ -116,8 +119,10 @@ class FusedUpdate(NamedTuple):
             step += 1  # in place: a kept tensor (a captured step's replays count on)
         grad = param.grad
         try:
-            ops._fused_row_update(buf, grad if grad.is_contiguous() else grad.contiguous(), count,
-                                  step, self.rule, hyper, flags, parts, cache, at, rounding)
+            ops._fused_row_update(buf[0], grad if grad.is_contiguous() else grad.contiguous(),
+                                  count, step, self.rule, hyper, flags, fields,
+                                  layout.state_dtype, None if cache is None else cache[0], at,
+                                  rounding)
         except BaseException:
             if step is not None:
                 step -= 1  # refused before anything moved: the count stays as it was

@@ -3,6 +3,8 @@ optimizer keeps, created ahead of its first step so a batch's rows can be swappe
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.optim.optimizer import _get_scalar_dtype
@@ -21,34 +23,65 @@ def row_state_keys(optimizer) -> tuple:
     return tuple(getattr(cls, "per_row_state", ()))
 
 
-class RowLayout:
-    """Where a row's weight and its optimizer state sit in a table of shape (rows, parts,
-    width): the weight in part 0, columns [0, dim); each per-element state in a part of its
-    own, columns [0, dim); each per-row state (one value) packed in part 0 after the weight, at
-    column dim + k, the width then padded to a multiple of 16 bytes (the transfer kernels move
-    aligned rows). A staged buffer is (parts, n, width)."""
+# A row record's length is a multiple of this many bytes: every field of every row in a table
+# or a staged buffer then starts aligned for its element type, and the kernels that move or
+# update rows use words of 8 bytes or more (16 where the record allows).
+RECORD_ALIGN = 8
 
-    def __init__(self, dim: int, element_keys, row_keys, dtype: torch.dtype):
+
+class RowLayout:
+    """A row and its optimizer state as one record of bytes: a table is (rows, 1, record)
+    uint8, a staged buffer or a cache (1, n, record). The fields, in this order, each at an
+    offset aligned to its element size: the weight (`dtype`, dim values), each per-element
+    state (`state_dtype`, dim values), each per-row state (one value: float32, float64 for
+    float64 state; a 16-bit state's row-wise accumulator would stop moving long before the
+    row does); the record is padded to a multiple of RECORD_ALIGN bytes. Views in each
+    field's dtype: of_table, of_staged."""
+
+    def __init__(self, dim: int, element_keys, row_keys, dtype: torch.dtype,
+                 state_dtype: Optional[torch.dtype] = None):
         self.dim = dim
-        self.parts = 1 + len(element_keys)
-        width = dim + len(row_keys)
-        if row_keys:
-            per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
-            width = -(-width // per) * per
-        self.width = width
-        self.at = {"weight": (0, slice(0, dim))}
-        self.at.update({key: (1 + k, slice(0, dim)) for k, key in enumerate(element_keys)})
-        self.at.update({key: (0, dim + k) for k, key in enumerate(row_keys)})
+        self.dtype = dtype
+        self.state_dtype = dtype if state_dtype is None else state_dtype
+        row_dtype = torch.float64 if self.state_dtype == torch.float64 else torch.float32
+        # name -> (byte offset, dtype, values: dim, or None for one value a row)
+        self.fields: dict = {}
+        end = 0
+        for name, dt, count in ([("weight", dtype, dim)]
+                                + [(k, self.state_dtype, dim) for k in element_keys]
+                                + [(k, row_dtype, None) for k in row_keys]):
+            size = dt.itemsize
+            end = -(-end // size) * size
+            self.fields[name] = (end, dt, count)
+            end += size * (1 if count is None else count)
+        self.parts = 1
+        self.width = -(-end // RECORD_ALIGN) * RECORD_ALIGN  # the record's bytes
+        # Whether some field's dtype is not the weight's (torch's optimizers then step on
+        # float32 copies: they take one dtype).
+        self.mixed = any(dt != dtype for _, dt, _ in self.fields.values())
+
+    def of_record(self, rows: Tensor, name: str) -> Tensor:
+        """`name`'s view of records (n, record) uint8: (n, dim), or (n,) per row."""
+        offset, dt, count = self.fields[name]
+        view = rows[:, offset:offset + dt.itemsize * (1 if count is None else count)].view(dt)
+        return view[:, 0] if count is None else view
 
     def of_table(self, table: Tensor, name: str) -> Tensor:
-        """`name`'s view of a table (rows, parts, width): (rows, dim), or (rows,) per row."""
-        part, cols = self.at[name]
-        return table[:, part, cols]
+        """`name`'s view of a table (rows, 1, record): (rows, dim), or (rows,) per row."""
+        return self.of_record(table[:, 0], name)
 
     def of_staged(self, buf: Tensor, name: str) -> Tensor:
-        """`name`'s view of a staged buffer (parts, n, width)."""
-        part, cols = self.at[name]
-        return buf[part][:, cols]
+        """`name`'s view of a staged buffer (1, n, record)."""
+        return self.of_record(buf[0], name)
+
+    def offsets(self, keys) -> list:
+        """The byte offsets of `keys`' fields in a record."""
+        return [self.fields[key][0] for key in keys]
+
+    def places(self) -> list:
+        """Where each field sits, for a checkpoint: [name, offset, values (None: one), dtype]."""
+        return [[name, offset, count, str(dt).removeprefix("torch.")]
+                for name, (offset, dt, count) in self.fields.items()]
 
 
 def state_layout(optimizer: torch.optim.Optimizer, group: dict):

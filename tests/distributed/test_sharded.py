@@ -31,8 +31,10 @@ def test_training_equals_one_process(backend, seed):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_shards_track_float64(backend, seed):
+    """With the state in bfloat16 (the table's dtype) and in float32 (state_dtype)."""
     for world in worlds(backend, [2, 3]):
         run_ranks(w.bfloat16_tracks_float64, world, seed, backend=backend)
+    run_ranks(w.bfloat16_tracks_float64, 2, seed, "float32", backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -90,9 +90,9 @@ def test_module_equals_the_lazy_formula(device, fused, gen):
                                            optimizer_kwargs=KW, device=device)
     emb.fused_update = fused
     assert emb.fused is fused
-    # Two host parts (weight, exp_avg); the second moment packed after the weight, the row
-    # padded to 16 bytes.
-    assert tuple(emb.host.shape) == (ROWS, 2, 8) and emb.row_bytes == 2 * 8 * 8
+    # One record: weight and exp_avg (DIM values each), the second moment after them.
+    assert tuple(emb.host.shape) == (ROWS, 1, (2 * DIM + 1) * 8)
+    assert emb.row_bytes == (2 * DIM + 1) * 8
     w, m = init.clone(), torch.zeros_like(init)
     v = torch.zeros(ROWS, dtype=torch.float64)
     batches, targets = [], []

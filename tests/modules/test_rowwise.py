@@ -66,8 +66,8 @@ def test_module_equals_full_table_training(device, gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     emb = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=so.RowWiseAdagrad,
                                            optimizer_kwargs=KW, device=device)
-    # One host part, the accumulator packed after the weight, the row padded to 16 bytes.
-    assert tuple(emb.host.shape) == (ROWS, 1, 6) and emb.host[0].nbytes == 48
+    # One record: the weight, the accumulator after it.
+    assert tuple(emb.host.shape) == (ROWS, 1, (DIM + 1) * 8) and emb.row_bytes == (DIM + 1) * 8
     full = nn.Embedding.from_pretrained(init.clone(), freeze=False).to(device)
     opt = so.RowWiseAdagrad(full.parameters(), **KW)
     w, acc = init.clone(), torch.full((ROWS,), KW["initial_accumulator_value"],

@@ -495,6 +495,37 @@ def test_row_moves_match_indexing(device, row, dtype, parts, n, count, take):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("take", [True, False], ids=["take", "put"])
+def test_row_moves_of_each_rows_first_elements(device, take):
+    """Views of each row's first elements (a record's weight, say): rows a whole row apart,
+    the elements past the view untouched in both tensors."""
+    dev = device_of(device)
+    g = gen(23 + take)
+    slots, n, width, k = 40, 30, 12, 5
+    cache = torch.randn(1, slots, width, generator=g)
+    rows = torch.randn(1, n, width, generator=g)
+    if take:
+        index = torch.randint(-1, slots, (n,), generator=g)  # repeats, and -1
+    else:  # put: distinct entries
+        index = torch.cat([torch.randperm(slots, generator=g)[: n // 2],
+                           torch.full((n - n // 2,), -1)])
+    want_cache, want_rows = cache.clone(), rows.clone()
+    for i in range(n):
+        if index[i] >= 0:
+            if take:
+                want_rows[:, i, :k] = cache[:, index[i], :k]
+            else:
+                want_cache[:, index[i], :k] = rows[:, i, :k]
+    c, r = cache.to(dev), rows.to(dev)
+    count = torch.tensor([n], device=dev)
+    if take:
+        ops._take_rows(r[..., :k], c[..., :k], index.to(dev), count)
+    else:
+        ops._put_rows(c[..., :k], r[..., :k], index.to(dev), count)
+    assert torch.equal(c.cpu(), want_cache) and torch.equal(r.cpu(), want_rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_arguments_are_named(device):
     dev = device_of(device)
     i64 = torch.zeros(4, dtype=torch.int64, device=dev)
@@ -546,7 +577,9 @@ def test_bad_arguments_are_named(device):
         (lambda: ops._take_rows(rows, rows32, idx.int(), three), "index must be Long"),
         (lambda: ops._take_rows(rows, rows32, idx, i64), "count must be one int64"),
         (lambda: ops._take_rows(rows.transpose(1, 2), rows32.transpose(1, 2), idx, three),
-         "out must be contiguous within each part"),
+         "out must have each row contiguous"),
+        (lambda: ops._take_rows(rows.as_strided((1, 3, 8), (24, 4, 1)), rows32, idx, three),
+         "out must not have overlapping rows"),
         (lambda: ops._take_rows(rows.expand(3, 3, 8), rows32.expand(3, 3, 8), idx, three),
          "out must not have overlapping parts"),
         (lambda: ops._take_rows(rows[:, :2], rows[:, 1:], idx[:2], three), "out and src"),
@@ -612,11 +645,16 @@ def test_opcheck(device):
                   (torch.empty(3, 5, dtype=torch.bfloat16, device=dev),
                    torch.rand(3, 5, device=dev), torch.tensor([4, 2], device=dev))))
     rounding = torch.tensor([4, 2], device=dev)
+    # PartialRowWiseAdam's records of bfloat16 weight and first moment (7 each), then its
+    # float32 second moment.
+    records = torch.zeros(4, 32, dtype=torch.uint8, device=dev)
+    records[:, :28].view(torch.bfloat16).copy_(torch.rand(4, 14))
+    records[:, 28:].view(torch.float32).copy_(torch.rand(4, 1))
     cases.append((torch.ops.speedtorch_ops._fused_row_update.default,
-                  (torch.rand(2, 4, 8, dtype=torch.bfloat16, device=dev),
+                  (records,
                    torch.rand(4, 7, dtype=torch.bfloat16, device=dev), torch.tensor([3], device=dev),
-                   torch.tensor(1.0, device=dev), 5, [0.1, 0.0, 0.9, 0.99, 1e-8], 0, [1], None,
-                   None, rounding)))
+                   torch.tensor(1.0, device=dev), 5, [0.1, 0.0, 0.9, 0.99, 1e-8], 0, [0, 28, 14],
+                   torch.bfloat16, None, None, rounding)))
     for op, args in cases:
         torch.library.opcheck(op, args)
 

@@ -23,12 +23,12 @@ N = 20000
 def sgd_store(device, dtype, w, g, lr, rounding, dim=1):
     """w - lr * g for N rows of `dim` equal elements through the fused SGD update, stored in
     `dtype`; `rounding`: (seed, counter) or None (round to nearest)."""
-    buf = torch.full((1, N, dim), w, dtype=dtype, device=device)
+    buf = torch.full((N, dim), w, dtype=dtype, device=device)
     grad = torch.full((N, dim), g, dtype=dtype, device=device)
     count = torch.tensor([N], device=device)
     r = None if rounding is None else torch.tensor(rounding, device=device)
-    ops._fused_row_update(buf, grad, count, None, fused.SGD, (lr, 0.0, 0.0, 0.0, 0.0), 0, [],
-                          rounding=r)
+    ops._fused_row_update(buf.view(torch.uint8), grad, count, None, fused.SGD,
+                          (lr, 0.0, 0.0, 0.0, 0.0), 0, [0, -1], dtype, rounding=r)
     return buf.view(-1).double().cpu()
 
 
@@ -102,13 +102,13 @@ def test_small_updates_track_the_float32_sum(device, dtype, update):
     steps, rows = 200, 4096
     results = {}
     for rounds in (True, False):
-        buf = torch.ones((1, rows, 8), dtype=dtype, device=device)
+        buf = torch.ones((rows, 8), dtype=dtype, device=device)  # records of the weight only
         grad = torch.full((rows, 8), update, dtype=dtype, device=device)
         count = torch.tensor([rows], device=device)
         rounding = torch.tensor([2024, 0], device=device) if rounds else None
         for _ in range(steps):
-            ops._fused_row_update(buf, grad, count, None, fused.SGD, (1.0, 0, 0, 0, 0), 0, [],
-                                  rounding=rounding)
+            ops._fused_row_update(buf.view(torch.uint8), grad, count, None, fused.SGD,
+                                  (1.0, 0, 0, 0, 0), 0, [0, -1], dtype, rounding=rounding)
             if rounding is not None:
                 rounding[1] += 1
         results[rounds] = buf.double().cpu().view(-1)
@@ -167,27 +167,21 @@ def test_module_small_updates_track_and_a_seed_reproduces_the_run(device, fused_
 
 
 def test_float16_tables_warn_where_the_state_holds_squares():
-    def emb(optimizer, dtype=torch.float16):
-        return so.HostEmbedding(4, 8, dtype=dtype, optimizer=optimizer, device="cpu")
-    for optimizer in (torch.optim.Adam, torch.optim.Adagrad, so.PartialRowWiseAdam,
-                      so.RowWiseAdagrad):
-        with pytest.warns(UserWarning, match="float16 with .*squared gradients.*bfloat16"):
+    def emb(optimizer, dtype=torch.float16, state_dtype=None):
+        return so.HostEmbedding(4, 8, dtype=dtype, optimizer=optimizer, device="cpu",
+                                state_dtype=state_dtype)
+    for optimizer in (torch.optim.Adam, torch.optim.Adagrad):
+        with pytest.warns(UserWarning, match="float16 state with .*squared gradients.*bfloat16"):
             emb(optimizer)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         emb(torch.optim.SGD)  # momentum or none: no squares
         emb(torch.optim.Adam, torch.bfloat16)
-
-
-def test_row_bytes():
-    def emb(dtype, optimizer, dim=128):
-        return so.HostEmbedding(4, dim, dtype=dtype, optimizer=optimizer, device="cpu")
-    assert emb(torch.float32, torch.optim.Adam).row_bytes == 3 * 128 * 4
-    assert emb(torch.bfloat16, torch.optim.Adam).row_bytes == 3 * 128 * 2
-    # The second moment packed after the weight, the part padded to 16 bytes: 2 x 136 x 2.
-    assert emb(torch.bfloat16, so.PartialRowWiseAdam).row_bytes == 544
-    assert emb(torch.float32, so.RowWiseAdagrad).row_bytes == 132 * 4
+        emb(torch.optim.Adam, state_dtype=torch.float32)
+        # Their squares are kept one a row, in float32.
+        emb(so.PartialRowWiseAdam)
+        emb(so.RowWiseAdagrad)
 
 
 def test_cache_stats_report_the_rows_a_budget_holds():

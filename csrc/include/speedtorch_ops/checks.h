@@ -165,7 +165,8 @@ void check_cache_admit_args(const at::Tensor& slot_of, const at::Tensor& id_of,
                             const at::Tensor& ids, const at::Tensor& at, const at::Tensor& first,
                             const at::Tensor& victims, const at::Tensor& admit);
 // _take_rows / _put_rows: dst (out) and src of one dtype, device, parts (dim 0) and row shape
-// (dims 2 on), each contiguous within a part, parts not overlapping; index 1-D int64 with at
+// (dims 2 on), each row contiguous, rows (dim 1) any stride at least a row apart, parts not
+// overlapping; index 1-D int64 with at
 // most as many entries as the positions' tensor has rows (out's for take, src's for put), on
 // their device; count one int64 there; dst overlapping none of the others.
 void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at::Tensor& index,
@@ -173,15 +174,18 @@ void check_move_rows_args(const at::Tensor& dst, const at::Tensor& src, const at
 // _age_frequencies: freq 1-D float32, age one int64, both contiguous on one device; period >= 1.
 void check_age_args(const at::Tensor& freq, const at::Tensor& age, int64_t period);
 
-// _fused_row_update: buf (parts, n, width) floating (float32, float64, float16, bfloat16), each
-// part contiguous; grad (n, dim) contiguous, buf's dtype and device, dim <= width (< width with
-// the row-wise rules, whose value sits at column dim); count one int64 on buf's device; rule a
-// Rule; hyper 5 values; flags the Flag bits; state_parts at most 3 distinct parts in
-// [1, parts); step a float32/float64 scalar on the CPU or buf's device, required by the rules
-// that count steps (Adagrad, Adam, AdamW, PartialRowWiseAdam); cache and at together or
-// neither: cache buf's dtype, device, parts and width, each part contiguous, at 1-D int64 on
-// buf's device, neither overlapping buf; rounding 2 contiguous int64 on buf's device. Returns
-// the rule.
+// _fused_row_update: buf (n, record) uint8, contiguous, its data aligned to its fields' widest
+// element; grad (n, dim) contiguous floating (float32, float64, float16, bfloat16: the
+// weights' dtype) on buf's device; state_dtype float32, bfloat16 or grad's (float64 weights:
+// float64 only); fields the byte offsets of the weight (dim of grad's type), the row value
+// (float32, float64 with float64 state; -1 for the rules without one) and the rule's
+// per-element states (dim of state_dtype each), each aligned to its element size, inside the
+// record (a multiple of each element size) and not overlapping; count one int64 on buf's
+// device; rule a Rule; hyper 5 values; flags the Flag bits; step a float32/float64 scalar on
+// the CPU or buf's device, required by the rules that count steps (Adagrad, Adam, AdamW,
+// PartialRowWiseAdam); cache and at together or neither: cache (slots, record) uint8,
+// contiguous, aligned as buf, on buf's device, at 1-D int64 there, neither overlapping buf;
+// rounding 2 contiguous int64 on buf's device. Returns the rule.
 // _round_into: dst floating (float32, float64, float16, bfloat16) and contiguous, src float32,
 // contiguous, dst's shape and device, not overlapping dst; rounding 2 contiguous int64 on
 // dst's device.
@@ -191,7 +195,7 @@ void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
 int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
                                 const at::Tensor& count, const c10::optional<at::Tensor>& step,
                                 int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> state_parts,
+                                c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
                                 const c10::optional<at::Tensor>& cache = c10::nullopt,
                                 const c10::optional<at::Tensor>& at = c10::nullopt,
                                 const c10::optional<at::Tensor>& rounding = c10::nullopt);
