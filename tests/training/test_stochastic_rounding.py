@@ -318,10 +318,14 @@ def test_a_collection_checkpoint_resumes_the_rounding_stream(tmp_path):
         "zzz.optimizer.rounding_seed"]
 
 
-def test_cached_and_captured_steps_round_as_the_plain_step():
-    """On the GPU, a bfloat16 table's steps with a cache that evicts every step and its steps
-    captured in a CUDA graph draw the same bits as its plain eager steps (the draws follow the
-    row's place in the step, not where the row lives or how the step was launched)."""
+@pytest.mark.parametrize("optimizer,state_dtype", [
+    (torch.optim.Adam, None), (torch.optim.Adam, torch.float32),
+    (so.PartialRowWiseAdam, None), (so.PartialRowWiseAdam, torch.float32)])
+def test_cached_and_captured_steps_round_as_the_plain_step(optimizer, state_dtype):
+    """On the GPU, a bfloat16 table's steps (its state in bfloat16 or float32: records of 96,
+    160, 72 and 104 bytes, the last two moved and updated in 8-byte pieces) with a cache that evicts every step and its steps captured in
+    a CUDA graph draw the same bits as its plain eager steps (the draws follow the row's place
+    in the step, not where the row lives or how the step was launched)."""
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU (run scripts/gpu_check.sh on the GPU machine)")
     from speedtorch_ops.training.cache import CachedRows
@@ -332,11 +336,13 @@ def test_cached_and_captured_steps_round_as_the_plain_step():
 
     def make(cache_rows):
         torch.manual_seed(0)
-        cache = CachedRows.index_bytes(rows) + cache_rows * 3 * dim * 2 if cache_rows else 0
-        return so.HostEmbedding.from_pretrained(
-            init, freeze=False, optimizer=torch.optim.Adam,
+        emb = so.HostEmbedding.from_pretrained(
+            init, freeze=False, optimizer=optimizer,
             optimizer_kwargs={"lr": 0.01, "capturable": True}, device="cuda",
-            cache_bytes=cache, bounds_check="prechecked")
+            bounds_check="prechecked", state_dtype=state_dtype)
+        if cache_rows:
+            emb.set_cache_bytes(CachedRows.index_bytes(rows) + cache_rows * emb.row_bytes)
+        return emb
 
     def step(emb, ids):
         loss = emb(ids).float().pow(2).sum()
