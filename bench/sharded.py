@@ -71,13 +71,13 @@ def parse(argv=None):
     p.add_argument("--ids", nargs="+", choices=["host", "device"], default=["host", "device"],
                    help="collection: where a captured step's ids come from, each measured on "
                         "the same module and graph (the first is the run's time; default: "
-                        "both, host first). host (as the demo's engine and a DataLoader): "
+                        "both, host first). host (as the demo and a DataLoader): "
                         "checked on the host and uploaded in one copy, the host running ahead; "
                         "device: checked on the GPU, so each call waits for the step before it "
                         "(CapturedStep's one wait)")
     p.add_argument("--lane-sms", type=int, default=None,
                    help="collection: the SMs its cache's loads may use (CachedRows.lane_sms; "
-                        "default: the store's); the demo's engine keeps its default")
+                        "default: the store's); the module engine keeps its default")
     p.add_argument("--write-sms", type=int, default=None,
                    help="collection: the SMs its cache's write-backs may use "
                         "(CachedRows.write_sms; default: the store's)")
@@ -85,11 +85,11 @@ def parse(argv=None):
                    help="collection: launch the steps op by op (no CUDA graph)")
     p.add_argument("--profile", default=None,
                    help="collection: write each rank's torch.profiler table of 20 steps to "
-                        "PROFILE-<world>-<rank>-<exchange>.txt (1-0-modules: the demo's engine)")
+                        "PROFILE-<world>-<rank>-<exchange>.txt (1-0-modules: the module engine)")
     p.add_argument("--trace", default=None,
                    help="collection: write each rank's torch.profiler timeline of 3 steps to "
                         "TRACE-<world>-<rank>-<exchange>.json.gz (chrome://tracing, Perfetto; "
-                        "1-0-modules: the demo's engine)")
+                        "1-0-modules: the module engine)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the collection's bar chart here (PNG)")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -167,65 +167,18 @@ def measure(a, u, v, data, device, world, together=None):
     return result
 
 
-class CollectionStep:
-    """The skip-gram on one collection of two tables (u: the centre words; v: each centre's
-    context and negatives, one feature), unpooled, Adam: a sharded collection or, with
-    `sharded` False, the single-process one. On a GPU each step is one CUDA graph replay that
-    also prefetches the next batch's rows."""
+def collection_step(a, device, sharded: bool, exchange: str = "auto"):
+    """The skip-gram on one collection of two tables, Adam, unpooled: the demo's engine
+    (``CollectionTraining``), sharded or, with `sharded` False, the single-process one. On a
+    GPU each step is one CUDA graph replay that also prefetches the next batch's rows."""
+    from types import SimpleNamespace
 
-    def __init__(self, a, device, sharded: bool, exchange: str = "auto"):
-        tables = [so.TableConfig("u", a.vocab, a.dim, pooling="none", feature_names=["centre"]),
-                  so.TableConfig("v", a.vocab, a.dim, pooling="none", feature_names=["context"])]
-        gpu = device.type == "cuda"
-        kwargs = dict(optimizer=torch.optim.Adam,
-                      optimizer_kwargs={"lr": a.lr, "capturable": gpu}, device=device,
-                      cache_bytes=int(a.cache_mb * 2**20) if gpu else 0,
-                      bounds_check="prechecked" if gpu else "raise")
-        if sharded:
-            self.ebc = so.distributed.ShardedEmbeddingBagCollection(tables, exchange=exchange,
-                                                                    **kwargs)
-        else:
-            self.ebc = so.HostEmbeddingBagCollection(tables, **kwargs)
-        bound = 0.5 / a.dim
-        for g in self.ebc.groups:  # both tables in one group: u's rows, then v's
-            g.reset_parameters(lambda w: w.normal_(0.0, bound))
-            # One store carries every table's transfers here, where the demo's engine has a
-            # store (and its SM caps) a table: the caps are worth measuring per engine.
-            for cap in ("lane_sms", "write_sms"):
-                if getattr(a, cap, None) is not None and hasattr(g.store, cap):
-                    setattr(g.store, cap, getattr(a, cap))
-        self.a, self.device = a, device
-        self.captured = None
-        if gpu and not a.eager:
-            self.captured = so.CapturedStep(self._train, rows=(a.vocab,) * 6, device=device,
-                                            group=getattr(self.ebc, "route_group", None))
-
-    def _kjt(self, labels, ctx, negs):
-        b = labels.shape[0]
-        values = torch.cat([labels.reshape(-1), torch.cat([ctx.view(b, -1), negs], 1).view(-1)])
-        lengths = torch.cat([torch.ones(b, dtype=torch.int64, device=values.device),
-                             torch.full((b,), 1 + negs.shape[1], dtype=torch.int64,
-                                        device=values.device)])
-        return so.KeyedJaggedTensor(["centre", "context"], values, lengths=lengths,
-                                    length_per_key=[b, b * (1 + negs.shape[1])])
-
-    def _train(self, labels, ctx, negs, *following):
-        out = self.ebc(self._kjt(labels, ctx, negs))
-        if following:
-            self.ebc.prefetch(self._kjt(*following))
-        b = labels.shape[0]
-        rows = out["context"].view(b, -1, self.a.dim)
-        loss = skipgram_loss(out["centre"].view(b, 1, -1), rows[:, :1], rows[:, 1:])
-        loss.backward()
-        self.ebc.step()
-        return loss.detach()
-
-    def step(self, batch, following):
-        if self.captured is not None:
-            return self.captured(*batch, *following)
-        if self.device.type == "cuda":
-            batch = [x.to(self.device) for x in (*batch, *following)]
-        return self._train(*batch)
+    from speedtorch_ops.demo.train import CollectionTraining
+    args = SimpleNamespace(vocab=a.vocab, dim=a.dim, lr=a.lr, optimizer="adam", fused=None,
+                           dtype="float32", rounding=None, cache_mb=a.cache_mb,
+                           graph="off" if a.eager else "on", prefetch="on",
+                           lane_sms=a.lane_sms, write_sms=a.write_sms)
+    return CollectionTraining(args, device, sharded=sharded, exchange=exchange)
 
 
 def exchange_bytes(a, world, ebc) -> dict:
@@ -319,7 +272,7 @@ def measure_collection(a, inputs: dict, device, world, sharded: bool,
                        exchange: str = "auto") -> dict:
     """One collection trained on each of `inputs` (ids mode: batches) in turn, the same module
     and graph; the first mode's time is the run's, every mode's is in `by_ids`."""
-    run = CollectionStep(a, device, sharded, exchange)
+    run = collection_step(a, device, sharded, exchange)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     data = next(iter(inputs.values()))
 
@@ -335,7 +288,7 @@ def measure_collection(a, inputs: dict, device, world, sharded: bool,
         profiled(a, run, data, sync, f"{world}-{rank}-{run.ebc.exchange if sharded else 'single'}")
     stats = run.ebc.cache_stats()["total"]
     result = {**next(iter(by_ids.values())), "by_ids": by_ids,
-              "hit_rate": stats["hit_rate"], "graph": run.captured is not None,
+              "hit_rate": stats["hit_rate"], "graph": run.graphed,
               "exchange": getattr(run.ebc, "exchange", "collective"),
               "bytes_per_step": {"host_link": host, **exchange_bytes(a, world, run.ebc)}}
     if world > 1:  # every rank's step time: a slow rank makes its peers wait
@@ -462,7 +415,7 @@ def report_collection(a, results):
                            + (f", {r['collection']['exchange']}" if r["world"] > 1 else "")),
                           *extra,
                           ("collection_single_process", "1 GPU, single-process collection"),
-                          ("hostembedding_captured", "1 GPU, 2 HostEmbeddings (demo)")):
+                          ("hostembedding_captured", "1 GPU, 2 HostEmbeddings (modules)")):
             x = r.get(key)
             if x is None:
                 continue
@@ -498,7 +451,7 @@ def plot_collection(path, a, results):
         print("no matplotlib: no plot")
         return
     names = {"collection_single_process": "1 GPU\nsingle-process\ncollection",
-             "hostembedding_captured": "1 GPU\n2 HostEmbeddings\n(demo)"}
+             "hostembedding_captured": "1 GPU\n2 HostEmbeddings\n(modules)"}
     bars = []
     for r in results:
         for key, x in r.items():

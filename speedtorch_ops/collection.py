@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _check_state_dtype,
-                      _compile_eagerly, _eager, _lookup, _same_view)
+                      _compile_eagerly, _eager, _lookup, _normal_init, _same_view)
 from .training.cache import CachedRows
 from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -471,6 +471,25 @@ class HostEmbeddingBagCollection(nn.Module):
                                   "hit_rate": hits / lookups if lookups else 0.0}
                          for t, (lookups, hits) in zip(self.tables, per_table)}
         return out
+
+    def reset_parameters(self, init=None) -> None:
+        """Re-initialise each table's weight in place, and its optimizer state, as
+        ``HostEmbedding.reset_parameters``: `init` a function of a table's weight (its rows
+        held here, dim), or a dict of them by table name (a table not named, or init None:
+        normal(0, 1), as nn.Embedding's); cached copies are dropped."""
+        inits = dict(init) if isinstance(init, dict) else {t.name: init for t in self.tables}
+        unknown = sorted(set(inits) - {t.name for t in self.tables})
+        if unknown:
+            raise KeyError(f"init: no table named {unknown}")
+        for g, group in enumerate(self.groups):
+            mine = [k for k in range(len(self.tables)) if self._group_of[k] == g]
+
+            def each_table(weight, mine=mine):
+                for k in mine:
+                    rows = weight[self._offset[k]:self._offset[k] + self._rows[k]]
+                    fn = inits.get(self.tables[k].name) or _normal_init
+                    fn(rows)
+            group.reset_parameters(each_table)
 
     def table_weight(self, name: str) -> Tensor:
         """Table `name`'s weight (a view of the host table; flushed first)."""

@@ -28,14 +28,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="the tables' and their optimizer state's dtype (module engine; 16-bit "
+                   help="the tables' and their optimizer state's dtype (collection and module engines; 16-bit "
                         "tables round their updates stochastically)")
     p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
                    help="how 16-bit tables store their updates")
     p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                    help="torch's fused optimizer kernels (fused=True): adam, adamw, sgd; "
                         "adagrad on the CPU only (torch has no fused rmsprop); auto: on for the "
-                        "module engine on a GPU with adam or adamw (one kernel instead of "
+                        "collection and module engines on a GPU with adam or adamw (one kernel instead of "
                         "several a step; docs/decisions.md, 'The demo's fused optimizer')")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-budget-mb", type=float, default=None,
@@ -45,23 +45,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf",
                    help="zipf: word frequencies ~ 1/rank, as in natural text (the default); "
                         "uniform: near-uniform words (nothing for a cache to keep)")
-    p.add_argument("--engine", choices=["auto", "module", "factories"], default="auto",
-                   help="module: speedtorch_ops.HostEmbedding with a GPU row cache of "
-                        "--cache-mb; factories: SpeedTorch's ModelFactory/OptimizerFactory calls "
-                        "(--switching); auto: module on a GPU, factories on the CPU")
+    p.add_argument("--engine", choices=["auto", "collection", "module", "factories"],
+                   default="auto",
+                   help="collection: both tables in one speedtorch_ops.HostEmbeddingCollection "
+                        "(one step plans both) with a GPU row cache of --cache-mb; module: a "
+                        "speedtorch_ops.HostEmbedding a table, the cache split between them; "
+                        "factories: SpeedTorch's ModelFactory/OptimizerFactory calls "
+                        "(--switching); auto: collection on a GPU, factories on the CPU")
     # 1100: everything of ours within 1.5 GiB of GPU memory. A captured step with prefetch
     # needs room beside its cache for the step's buffers and, while it is captured, for a
     # second copy of them (the graph's own pool); a larger cache leaves the capture short of
     # a 1536 MiB budget. See docs/decisions.md, "The demo's row cache budget".
     p.add_argument("--cache-mb", type=float, default=1100,
-                   help="GPU row cache of the module engine, for both tables together (rows "
+                   help="GPU row cache of the collection and module engines, for both tables together (rows "
                         "with their optimizer state, and the cache's index)")
     p.add_argument("--graph", choices=["auto", "on", "off"], default="auto",
-                   help="module engine on a GPU: capture the whole step once in a CUDA graph and "
+                   help="collection and module engines on a GPU: capture the whole step once in a CUDA graph and "
                         "replay it (speedtorch_ops.CapturedStep); auto: on unless --optimizer "
                         "adagrad (its step count stays on the CPU)")
     p.add_argument("--prefetch", choices=["auto", "on", "off"], default="auto",
-                   help="module engine: load the next batch's rows (those the caches miss) on a "
+                   help="collection and module engines: load the next batch's rows (those the caches miss) on a "
                         "side stream while the current batch trains (HostEmbedding.prefetch; "
                         "a captured step takes the next batch's ids as inputs); auto: on in a "
                         "captured step, else off (docs/decisions.md, 'The demo's prefetch')")
@@ -96,14 +99,14 @@ def main(argv=None) -> None:
 
     module_only = a.optimizer in ("rowwise-adagrad", "partial-rowwise-adam")
     if a.engine == "auto":
-        a.engine = "module" if device.type == "cuda" or module_only or a.dtype != "float32" \
+        a.engine = "collection" if device.type == "cuda" or module_only or a.dtype != "float32" \
             else "factories"
     if a.engine == "factories" and a.dtype != "float32":
-        p.error("--dtype: the factories keep float32 tables; use --engine module")
+        p.error("--dtype: the factories keep float32 tables; use --engine collection")
     if a.engine == "factories" and module_only:
         p.error(f"--optimizer {a.optimizer}: the factories keep per-element state; use "
-                "--engine module")
-    a.fused = a.fused == "on" or (a.fused == "auto" and a.engine == "module" and
+                "--engine collection")
+    a.fused = a.fused == "on" or (a.fused == "auto" and a.engine in ("collection", "module") and
                                   device.type == "cuda" and a.optimizer in ("adam", "adamw"))
     corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     table_mb = a.vocab * a.dim * DTYPES[a.dtype].itemsize / 2**20
@@ -114,8 +117,10 @@ def main(argv=None) -> None:
           f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
           f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
           f", {a.corpus} corpus, "
-          + ((f"HostEmbedding modules, GPU row cache {a.cache_mb:,.0f} MiB" if device.type == "cuda"
-              else "HostEmbedding modules") if a.engine == "module"
+          + (({"collection": "a HostEmbeddingCollection of both tables",
+                "module": "HostEmbedding modules"}[a.engine]
+              + (f", GPU row cache {a.cache_mb:,.0f} MiB" if device.type == "cuda" else ""))
+             if a.engine != "factories"
              else f"factories ({resolve_switching(a.switching, device)} switching)")
           + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
 

@@ -138,6 +138,133 @@ class SwitcherTraining:
         return ""
 
 
+def _graph_settings(a, cls, kwargs: dict, device) -> tuple:
+    """(captured, prefetching) for --graph and --prefetch with optimizer `cls`; sets
+    ``capturable`` in `kwargs` where a captured step needs it."""
+    graph, prefetch = getattr(a, "graph", "off"), getattr(a, "prefetch", "off")
+    # Adagrad keeps its step count on the CPU and has no capturable mode (the others of
+    # OPTIMIZERS either have one or keep no step count).
+    cpu_step = cls is torch.optim.Adagrad and not kwargs.get("fused")
+    # auto: a graph on a GPU (a replay queues the whole step at once, where eager steps
+    # wait for the host: docs/decisions.md, "The demo's captured step"); eager steps when
+    # the optimizer cannot be captured.
+    graphed = device.type == "cuda" and (graph == "on" or (graph == "auto" and not cpu_step))
+    if graphed and "capturable" in inspect.signature(cls).parameters:
+        # The step counter stays on the GPU; torch refuses to capture an optimizer without
+        # it, fused or not.
+        kwargs["capturable"] = True
+    # Each step prefetches the next one's rows (a captured step takes its ids as inputs).
+    # auto: in a captured step, where the prefetch's transfers run beside the step's own
+    # kernels (eager steps would add its host work to theirs): docs/decisions.md, "The
+    # demo's prefetch".
+    return graphed, prefetch == "on" or (prefetch == "auto" and graphed)
+
+
+class CollectionTraining:
+    """Both tables in one ``speedtorch_ops.HostEmbeddingCollection`` (u: the centre words,
+    feature "centre"; v: each centre's context and negatives, feature "context"): one step
+    plans both tables at once, one sort, one cache lookup, one transfer each way, one fused
+    update; their rows and optimizer state in (pinned) host memory behind one GPU row cache of
+    ``--cache-mb``. On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a
+    CUDA graph (``speedtorch_ops.CapturedStep``) that also prefetches the next batch's rows.
+    `sharded`: the tables split by rows over the default process group
+    (``ShardedEmbeddingBagCollection``, `exchange` its exchange)."""
+
+    def __init__(self, a, device, sharded: bool = False, exchange: str = "auto"):
+        cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, getattr(a, "fused", None) or None)
+        self.graphed, self.prefetching = _graph_settings(a, cls, kwargs, device)
+        self.a, self.vocab, self.steps_done = a, a.vocab, 0
+        tables = [so.TableConfig("u", a.vocab, a.dim, pooling="none", feature_names=["centre"]),
+                  so.TableConfig("v", a.vocab, a.dim, pooling="none",
+                                 feature_names=["context"])]
+        options = dict(optimizer=cls, optimizer_kwargs=kwargs, device=device,
+                       cache_bytes=int(a.cache_mb * 2**20) if device.type == "cuda" else 0,
+                       bounds_check="prechecked" if self.graphed else "raise",
+                       dtype=DTYPES[getattr(a, "dtype", "float32")],
+                       stochastic_rounding=getattr(a, "rounding", None) != "nearest")
+        if sharded:
+            self.ebc = so.distributed.ShardedEmbeddingBagCollection(tables, exchange=exchange,
+                                                                    **options)
+        else:
+            self.ebc = so.HostEmbeddingCollection(tables, **options)
+        bound = 0.5 / a.dim
+        self.ebc.reset_parameters({"u": lambda w: so.fill_random_(w, "uniform", -bound, bound),
+                                   "v": lambda w: so.fill_random_(w, "normal", 0.0, bound)})
+        for cap in ("lane_sms", "write_sms"):  # the cache's SM caps, where a bench sets them
+            for g in self.ebc.groups:
+                if getattr(a, cap, None) is not None and hasattr(g.store, cap):
+                    setattr(g.store, cap, getattr(a, cap))
+        self._captured = None
+
+    def set_cache_mb(self, cache_mb: float) -> None:
+        """The cache resized to `cache_mb` (see HostEmbedding.set_cache_bytes)."""
+        self._captured = None  # the graph used the old cache
+        for g in self.ebc.groups:
+            g.set_cache_bytes(int(cache_mb * 2**20))
+
+    def _kjt(self, labels, ctx, negs):
+        b = labels.shape[0]
+        values = torch.cat([labels.reshape(-1), torch.cat([ctx.view(b, -1), negs], 1).view(-1)])
+        lengths = torch.cat([torch.ones(b, dtype=torch.int64, device=values.device),
+                             torch.full((b,), 1 + negs.shape[1], dtype=torch.int64,
+                                        device=values.device)])
+        return so.KeyedJaggedTensor(["centre", "context"], values, lengths=lengths,
+                                    length_per_key=[b, b * (1 + negs.shape[1])])
+
+    def _train(self, labels, ctx, negs, *following) -> Tensor:
+        out = self.ebc(self._kjt(labels, ctx, negs))
+        if following:  # loads while this step's backward and update run
+            self.ebc.prefetch(self._kjt(*following))
+        b = labels.shape[0]
+        rows = out["context"].view(b, -1, self.a.dim).float()  # 16-bit rows: float32 math
+        loss = skipgram_loss(out["centre"].view(b, 1, -1).float(), rows[:, :1], rows[:, 1:])
+        loss.backward()
+        self.ebc.step()
+        return loss.detach()
+
+    def step(self, batch, following=None) -> Tensor:
+        """One step on `batch`; with prefetching on, the rows of `following` (the next batch;
+        None: there is none, and a captured step prefetches `batch` again, which loads
+        nothing) load during it."""
+        self.steps_done += 1
+        if not self.prefetching:
+            following = None
+        elif following is None:
+            following = batch
+        if self._captured is None and self.graphed:
+            self._captured = so.CapturedStep(
+                self._train, rows=(self.vocab,) * (6 if self.prefetching else 3),
+                device=self.ebc.device, group=getattr(self.ebc, "route_group", None))
+        if self._captured is not None:
+            return self._captured(*batch, *(following or ())).clone()  # overwritten next step
+        inputs = [torch.as_tensor(x).to(self.ebc.device) for x in (*batch, *(following or ()))]
+        return self._train(*inputs)
+
+    def tables(self) -> list:
+        return [g.host for g in self.ebc.groups]
+
+    def weight(self) -> Tensor:
+        return self.ebc.table_weight("u")
+
+    def rows_per_step(self, a) -> float:
+        """Rows that crossed the host link per step so far (loads, evictions, write-backs)."""
+        stats = self.ebc.cache_stats()["total"]
+        return stats["host_bytes"] / self.ebc.groups[0].row_bytes / max(1, self.steps_done)
+
+    def describe(self) -> str:
+        steps = "each step one CUDA graph replay" if self.graphed else ""
+        if self.prefetching:
+            steps += (", " if steps else "") + "the next batch's rows prefetched"
+        if not any(g.store.cached_bytes() for g in self.ebc.groups):
+            return steps  # no cache (the CPU): nothing more to say
+        stats = self.ebc.cache_stats()
+        parts = [steps] if steps else []
+        parts += [f"{name}: hit rate {stats['tables'][name]['hit_rate']:.3f}"
+                  for name in ("u", "v")]
+        parts.append(f"one cache of {stats['total']['cache_bytes'] / 2**20:,.0f} MiB")
+        return "; ".join(parts)
+
+
 class ModuleTraining:
     """The tables and their optimizer state in host memory behind ``speedtorch_ops.HostEmbedding``
     modules (pinned on a GPU), with GPU row caches sharing ``--cache-mb`` in proportion to the
@@ -152,19 +279,7 @@ class ModuleTraining:
         bound = 0.5 / a.dim
         self.negatives = a.negatives
         self.vocab = a.vocab
-        graph, prefetch = getattr(a, "graph", "off"), getattr(a, "prefetch", "off")
-        # Adagrad keeps its step count on the CPU and has no capturable mode (the others of
-        # OPTIMIZERS either have one or keep no step count).
-        cpu_step = cls is torch.optim.Adagrad and not kwargs.get("fused")
-        # auto: a graph on a GPU (a replay queues the whole step at once, where eager steps
-        # wait for the host: docs/decisions.md, "The demo's captured step"); eager steps when
-        # the optimizer cannot be captured.
-        self.graphed = device.type == "cuda" and (
-            graph == "on" or (graph == "auto" and not cpu_step))
-        if self.graphed and "capturable" in inspect.signature(cls).parameters:
-            # The step counter stays on the GPU; torch refuses to capture an optimizer without
-            # it, fused or not.
-            kwargs["capturable"] = True
+        self.graphed, self.prefetching = _graph_settings(a, cls, kwargs, device)
         dtype = DTYPES[getattr(a, "dtype", "float32")]
         self.u, self.v = (so.HostEmbedding(a.vocab, a.dim, optimizer=cls, optimizer_kwargs=kwargs,
                                            device=device, cache_bytes=share, dtype=dtype,
@@ -176,11 +291,6 @@ class ModuleTraining:
         self.steps_done = 0
         self.u.reset_parameters(lambda w: so.fill_random_(w, "uniform", -bound, bound))
         self.v.reset_parameters(lambda w: so.fill_random_(w, "normal", 0.0, bound))
-        # Each step prefetches the next one's rows (a captured step takes its ids as inputs).
-        # auto: in a captured step, where the prefetch's transfers run beside the step's own
-        # kernels (eager steps would add its host work to theirs): docs/decisions.md, "The
-        # demo's prefetch".
-        self.prefetching = prefetch == "on" or (prefetch == "auto" and self.graphed)
 
     def cache_split(self, cache_mb: float) -> tuple:
         """(u's, v's) cache bytes: the budget split by ids per step (v sees a context and the
@@ -288,8 +398,11 @@ def warmup_steps(a) -> int:
 
 
 def train_engine(a, corpus, device):
-    """Train with the engine of --engine (HostEmbedding modules, or the factories); timed."""
-    run = ModuleTraining(a, device) if a.engine == "module" else SwitcherTraining(a, device)
+    """Train with the engine of --engine (a HostEmbeddingCollection of both tables, a
+    HostEmbedding a table, or the factories); timed."""
+    engines = {"collection": CollectionTraining, "module": ModuleTraining,
+               "factories": SwitcherTraining}
+    run = engines[a.engine](a, device)
     losses = []
     next_batch = batch_source(a, corpus)
     batch = [next_batch(0)]  # this step's

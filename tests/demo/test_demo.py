@@ -14,20 +14,24 @@ SMALL = ["--vocab", "2000", "--dim", "16", "--batch", "256", "--steps", "300",
 CASES = [
     ["--engine", "factories", "--switching", "plain"],
     ["--engine", "factories", "--switching", "prefetch"],
+    ["--engine", "collection"],
+    ["--engine", "collection", "--prefetch", "on"],
+    ["--engine", "collection", "--optimizer", "rowwise-adagrad"],
+    ["--engine", "collection", "--corpus", "uniform"],
+    ["--engine", "collection", "--dtype", "bfloat16"],
+    ["--engine", "collection", "--optimizer", "partial-rowwise-adam", "--dtype", "bfloat16"],
     ["--engine", "module"],
-    ["--engine", "module", "--prefetch", "on"],
-    ["--engine", "module", "--optimizer", "rowwise-adagrad"],
-    ["--engine", "module", "--corpus", "uniform"],
-    ["--engine", "module", "--dtype", "bfloat16"],
-    ["--engine", "module", "--optimizer", "partial-rowwise-adam", "--dtype", "bfloat16"],
+    ["--engine", "module", "--prefetch", "on", "--dtype", "bfloat16"],
 ]
 GPU_CASES = [
-    ["--engine", "module", "--cache-mb", "1", "--graph", "off"],  # evicts every step, eager
-    ["--engine", "module", "--cache-mb", "1", "--prefetch", "on"],
-    ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
+    ["--engine", "collection", "--cache-mb", "1", "--graph", "off"],  # evicts every step, eager
+    ["--engine", "collection", "--cache-mb", "1", "--prefetch", "on"],
+    ["--engine", "collection", "--cache-mb", "1", "--graph", "on"],
     ["--engine", "factories", "--switching", "colocated"],
-    ["--engine", "module", "--optimizer", "adagrad"],  # no capturable mode: eager steps
-    ["--engine", "module", "--cache-mb", "1", "--dtype", "bfloat16", "--graph", "on"],
+    ["--engine", "collection", "--optimizer", "adagrad"],  # no capturable mode: eager steps
+    ["--engine", "collection", "--cache-mb", "1", "--dtype", "bfloat16", "--graph", "on"],
+    ["--engine", "module", "--cache-mb", "1", "--graph", "on"],
+    ["--engine", "module", "--cache-mb", "1", "--prefetch", "on"],
 ]
 
 
@@ -51,3 +55,10 @@ def test_demo_learns_on_the_gpu(args, capsys):
     out = run(args, "cuda", capsys)
     if "--cache-mb" in args:
         assert "hit rate" in out
+
+
+def test_the_default_engine_is_the_collection_where_the_factories_cannot_serve(capsys):
+    """On the CPU the default is the factories (SpeedTorch's calls), except for what they
+    cannot train: 16-bit tables, the row-wise optimizers."""
+    out = run(["--dtype", "bfloat16", "--steps", "60"], "cpu", capsys)
+    assert "a HostEmbeddingCollection of both tables" in out
