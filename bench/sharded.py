@@ -177,6 +177,7 @@ def collection_step(a, device, sharded: bool, exchange: str = "auto"):
     args = SimpleNamespace(vocab=a.vocab, dim=a.dim, lr=a.lr, optimizer="adam", fused=None,
                            dtype="float32", rounding=None, cache_mb=a.cache_mb,
                            graph="off" if a.eager else "on", prefetch="on",
+                           bounds_check="prechecked" if device.type == "cuda" else "raise",
                            lane_sms=a.lane_sms, write_sms=a.write_sms)
     return CollectionTraining(args, device, sharded=sharded, exchange=exchange)
 

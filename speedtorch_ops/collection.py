@@ -143,7 +143,7 @@ class HostEmbeddingBagCollection(nn.Module):
         bounds_check: "raise" (ids on a GPU checked with one wait) or "prechecked".
         dtype: the tables' dtype, where their TableConfig names none.
         state_dtype: their optimizer state's dtype, where their TableConfig names none (None:
-            each table's own dtype), as HostEmbedding's.
+            each table's own dtype; float64 tables keep float64 state), as HostEmbedding's.
         stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
             fused updates stochastically unless False).
 
@@ -192,13 +192,17 @@ class HostEmbeddingBagCollection(nn.Module):
         if len(set(fnames)) != len(fnames):
             raise ValueError(f"tables: feature names must be distinct, got {fnames}")
         # One group a (width, dtype, state dtype), tables in their given order at row offsets.
-        kinds = [(t.embedding_dim, t.dtype or dtype, t.state_dtype or state_dtype)
-                 for t in tables]
-        for t, (_, table_dtype, table_state) in zip(tables, kinds):
+        kinds = []
+        for t in tables:
+            table_dtype = resolve_dtype(t.dtype or dtype)
+            # The collection's state_dtype where the table names none (float64 tables keep
+            # float64 state); the table's own is checked as given.
+            setting = t.state_dtype or (state_dtype if table_dtype != torch.float64 else None)
             try:
-                _check_state_dtype(table_state, resolve_dtype(table_dtype))
+                setting = _check_state_dtype(setting, table_dtype)
             except TypeError as e:
                 raise TypeError(f"TableConfig {t.name!r}: {e}") from None
+            kinds.append((t.embedding_dim, table_dtype, setting))
         widths = sorted(set(kinds), key=lambda kind: (kind[0], str(kind[1]), str(kind[2])))
         self._group_of = [widths.index(kind) for kind in kinds]
         self._offset = [0] * len(tables)

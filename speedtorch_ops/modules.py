@@ -299,7 +299,9 @@ def _pool(weight: Tensor, index: Tensor, bag: _BagInput, mode: str,
 
 def _check_state_dtype(state_dtype, dtype: torch.dtype) -> Optional[torch.dtype]:
     """`state_dtype=` checked against the weights' `dtype`: None (the weights' dtype), float32
-    or bfloat16, or the weights' own; float64 tables keep float64 state."""
+    or bfloat16, or the weights' own; float64 tables keep float64 state. Returns the setting a
+    module keeps: None where the state follows the weights' dtype (a later conversion takes it
+    along)."""
     if state_dtype is None:
         return None
     try:
@@ -312,14 +314,14 @@ def _check_state_dtype(state_dtype, dtype: torch.dtype) -> Optional[torch.dtype]
     if state_dtype not in (torch.float32, torch.bfloat16, dtype):
         raise TypeError(f"state_dtype must be torch.float32, torch.bfloat16, the weights' dtype "
                         f"({dtype}) or None (the weights' dtype), got {state_dtype}")
-    return state_dtype
+    return None if state_dtype == dtype else state_dtype
 
 
 def _state_dtype(setting: Optional[torch.dtype], dtype: torch.dtype) -> torch.dtype:
-    """The state's dtype for weights of `dtype`: the setting (state_dtype=), or the weights'
-    where it is None or they are float64 (a conversion by ``.double()`` takes the state
-    along)."""
-    return dtype if setting is None or dtype == torch.float64 else setting
+    """The state's dtype for weights of `dtype`: the setting (state_dtype=: float32 or
+    bfloat16), or the weights' where there is none or they are float64 (a conversion such as
+    ``.double()`` or ``.half()`` takes the state along where it followed the weights)."""
+    return setting if setting is not None and dtype != torch.float64 else dtype
 
 
 class _HostRowsModule(nn.Module):

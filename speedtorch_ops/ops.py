@@ -225,10 +225,11 @@ def _cache_admit(slot_of: Tensor, id_of: Tensor, ids: Tensor, at: Tensor, first:
 
 
 def _take_rows(out: Tensor, src: Tensor, index: Tensor, count: Tensor) -> None:
-    """``out[:, i] = src[:, index[i]]`` (tensors (parts, rows, ...)) for the first ``count`` (one
-    int64) positions whose ``index[i]`` is a row of ``src``; other entries (-1, or a scratch
-    slot past a view of a cache's slots) leave ``out[:, i]`` as it was. In place; only the rows
-    that move are read and written."""
+    """``out[:, i] = src[:, index[i]]`` (tensors (parts, rows, ...), each row contiguous, rows
+    any stride apart: a view of each record's first bytes moves only those) for the first
+    ``count`` (one int64) positions whose ``index[i]`` is a row of ``src``; other entries (-1,
+    or a scratch slot past a view of a cache's slots) leave ``out[:, i]`` as it was. In place;
+    only the rows that move are read and written."""
     _ops._take_rows.default(out, src, index, count)
 
 

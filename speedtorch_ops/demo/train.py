@@ -179,7 +179,8 @@ class CollectionTraining:
                                  feature_names=["context"])]
         options = dict(optimizer=cls, optimizer_kwargs=kwargs, device=device,
                        cache_bytes=int(a.cache_mb * 2**20) if device.type == "cuda" else 0,
-                       bounds_check="prechecked" if self.graphed else "raise",
+                       bounds_check=getattr(a, "bounds_check", None)
+                       or ("prechecked" if self.graphed else "raise"),
                        dtype=DTYPES[getattr(a, "dtype", "float32")],
                        stochastic_rounding=getattr(a, "rounding", None) != "nearest")
         if sharded:
@@ -197,10 +198,12 @@ class CollectionTraining:
         self._captured = None
 
     def set_cache_mb(self, cache_mb: float) -> None:
-        """The cache resized to `cache_mb` (see HostEmbedding.set_cache_bytes)."""
-        self._captured = None  # the graph used the old cache
-        for g in self.ebc.groups:
-            g.set_cache_bytes(int(cache_mb * 2**20))
+        """The caches resized to share `cache_mb` by their groups' bytes, as the collection
+        shares its budget (see HostEmbedding.set_cache_bytes)."""
+        self._captured = None  # the graph used the old caches
+        sizes = [g.num_embeddings * g.row_bytes for g in self.ebc.groups]
+        for g, size in zip(self.ebc.groups, sizes):
+            g.set_cache_bytes(int(cache_mb * 2**20) * size // sum(sizes))
 
     def _kjt(self, labels, ctx, negs):
         b = labels.shape[0]

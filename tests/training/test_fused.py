@@ -309,8 +309,38 @@ def test_bad_state_dtypes_name_the_argument():
         with pytest.raises(TypeError, match="state_dtype"):
             so.HostEmbedding(4, 8, dtype=dtype, state_dtype=state_dtype, device="cpu")
     with pytest.raises(TypeError, match="TableConfig 't'.*state_dtype"):
-        so.HostEmbeddingCollection([so.TableConfig("t", 4, 8, dtype=torch.float64)],
-                                   state_dtype=torch.bfloat16, device="cpu")
+        so.HostEmbeddingCollection([so.TableConfig("t", 4, 8, dtype=torch.float64,
+                                                   state_dtype=torch.bfloat16)], device="cpu")
+    # The collection's state_dtype where a table names none; a float64 table keeps float64.
+    ebc = so.HostEmbeddingCollection([so.TableConfig("t", 4, 8, dtype=torch.float64),
+                                      so.TableConfig("u", 4, 8)], state_dtype=torch.bfloat16,
+                                     device="cpu")
+    assert sorted(str(g.state_dtype) for g in ebc.groups) == ["torch.bfloat16", "torch.float64"]
+
+
+def test_conversions_keep_a_state_dtype_the_step_takes():
+    """A state that follows the weights follows a conversion; a float32 or bfloat16 one stays
+    (float64 weights take float64 state); every converted module still steps."""
+    cases = [(torch.float64, torch.float64, torch.float32, torch.float32),
+             (torch.float16, torch.float16, torch.float32, torch.float32),
+             (torch.float16, torch.float16, torch.bfloat16, torch.bfloat16),
+             (torch.bfloat16, torch.float32, torch.float16, torch.float32),
+             (torch.float32, torch.bfloat16, torch.float64, torch.float64),
+             (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16)]
+    for dtype, state_dtype, to, want in cases:
+        emb = so.HostEmbedding(6, 4, dtype=dtype, state_dtype=state_dtype, device="cpu",
+                               optimizer=torch.optim.Adam)
+        emb.to(to)
+        assert emb.dtype == to and emb.state_dtype == want, (dtype, state_dtype, to)
+        emb(torch.tensor([1, 2])).float().sum().backward()
+        emb.step()
+
+
+def test_tables_of_one_record_share_a_group():
+    """A table naming the state dtype its weights already imply groups with one naming none."""
+    ebc = so.HostEmbeddingCollection([so.TableConfig("a", 10, 4, state_dtype=torch.float32),
+                                      so.TableConfig("b", 10, 4)], device="cpu")
+    assert len(ebc.groups) == 1
     with pytest.raises(TypeError, match="TableConfig 't': state_dtype"):
         so.TableConfig("t", 4, 8, state_dtype=torch.int32)
 
