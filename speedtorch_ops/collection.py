@@ -221,13 +221,7 @@ class HostEmbeddingBagCollection(nn.Module):
             warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
                           "live in the memory the step runs in", stacklevel=2)
         elif cache_bytes:
-            # By each group's share of the tables' bytes; a share too small for the group's
-            # index and one row leaves that group without a cache.
-            sizes = [g.num_embeddings * g.host[0].nbytes for g in groups]
-            for g, size in zip(groups, sizes):
-                share = cache_bytes * size // sum(sizes)
-                if share >= CachedRows.index_bytes(g.num_embeddings) + g.host[0].nbytes:
-                    g.set_cache_bytes(share)
+            self.set_cache_bytes(cache_bytes)
         # Per table (lookups, hits) of distinct rows, counted on the device (a captured step
         # counts too); each group's tables end at these rows of the group.
         # (Buffers, not state: they follow .to(device) and stay out of the checkpoint.)
@@ -475,6 +469,19 @@ class HostEmbeddingBagCollection(nn.Module):
                                   "hit_rate": hits / lookups if lookups else 0.0}
                          for t, (lookups, hits) in zip(self.tables, per_table)}
         return out
+
+    def set_cache_bytes(self, cache_bytes: int) -> None:
+        """The GPU row caches' budget for all tables (0: none), as
+        ``HostEmbedding.set_cache_bytes`` (between steps; a ``CapturedStep`` made before must
+        not replay): shared by the groups by their tables' bytes; a share too small for a
+        group's index and one row leaves that group without a cache."""
+        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        sizes = [g.num_embeddings * g.row_bytes for g in self.groups]
+        for g, size in zip(self.groups, sizes):
+            share = cache_bytes * size // sum(sizes)
+            fits = share >= CachedRows.index_bytes(g.num_embeddings) + g.row_bytes
+            g.set_cache_bytes(share if fits else 0)
 
     def reset_parameters(self, init=None) -> None:
         """Re-initialise each table's weight in place, and its optimizer state, as

@@ -198,12 +198,9 @@ class CollectionTraining:
         self._captured = None
 
     def set_cache_mb(self, cache_mb: float) -> None:
-        """The caches resized to share `cache_mb` by their groups' bytes, as the collection
-        shares its budget (see HostEmbedding.set_cache_bytes)."""
+        """The caches resized to share `cache_mb` (see the collection's set_cache_bytes)."""
         self._captured = None  # the graph used the old caches
-        sizes = [g.num_embeddings * g.row_bytes for g in self.ebc.groups]
-        for g, size in zip(self.ebc.groups, sizes):
-            g.set_cache_bytes(int(cache_mb * 2**20) * size // sum(sizes))
+        self.ebc.set_cache_bytes(int(cache_mb * 2**20))
 
     def _kjt(self, labels, ctx, negs):
         b = labels.shape[0]

@@ -109,9 +109,7 @@ class FusedUpdate(NamedTuple):
             flags |= FIRST_STEP if first_step else 0
         if self.rule in (ADAM, ADAMW) and group.get("amsgrad"):
             flags |= AMSGRAD
-        per_row = [name for name, (_, _, values) in layout.fields.items() if values is None]
-        fields = layout.offsets(["weight"]) + (layout.offsets(per_row) or [-1]) + \
-            layout.offsets(self.state_keys)
+        fields = layout.update_fields(self.state_keys)
         state = optimizer.state[param]
         step = None
         if self.rule in (ADAGRAD, ADAM, ADAMW, PARTIAL_ROWWISE_ADAM):

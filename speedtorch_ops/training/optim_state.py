@@ -43,13 +43,14 @@ class RowLayout:
         self.dim = dim
         self.dtype = dtype
         self.state_dtype = dtype if state_dtype is None else state_dtype
+        self.row_keys = tuple(row_keys)
         row_dtype = torch.float64 if self.state_dtype == torch.float64 else torch.float32
         # name -> (byte offset, dtype, values: dim, or None for one value a row)
         self.fields: dict = {}
         end = 0
         for name, dt, count in ([("weight", dtype, dim)]
                                 + [(k, self.state_dtype, dim) for k in element_keys]
-                                + [(k, row_dtype, None) for k in row_keys]):
+                                + [(k, row_dtype, None) for k in self.row_keys]):
             size = dt.itemsize
             end = -(-end // size) * size
             self.fields[name] = (end, dt, count)
@@ -77,6 +78,12 @@ class RowLayout:
     def offsets(self, keys) -> list:
         """The byte offsets of `keys`' fields in a record."""
         return [self.fields[key][0] for key in keys]
+
+    def update_fields(self, state_keys) -> list:
+        """The fused update's `fields`: the weight's offset, the per-row value's (-1: none),
+        then `state_keys`' (the rule's per-element states, in its order)."""
+        return (self.offsets(["weight"]) + (self.offsets(self.row_keys[:1]) or [-1])
+                + self.offsets(state_keys))
 
     def places(self) -> list:
         """Where each field sits, for a checkpoint: [name, offset, values (None: one), dtype]."""
