@@ -1,5 +1,7 @@
-"""The main job's claim: HostEmbedding with a GPU row cache against plain PyTorch with the whole
-tables on the GPU (nn.Embedding(sparse=True) + SparseAdam), in the same process.
+"""The main job's claim: the demo's engine (--engine collection: both tables in one
+HostEmbeddingCollection behind one GPU row cache; module: a HostEmbedding a table) against plain
+PyTorch with the whole tables on the GPU (nn.Embedding(sparse=True) + SparseAdam, and a captured
+step), in the same process.
 
 For each cache budget (both tables together, MiB; 0 = no cache) it trains the demo's skip-gram
 (two vocab x dim tables + Adam state in pinned host memory) and reports steps/s, the hit rate
@@ -28,7 +30,8 @@ import numpy as np
 import torch
 
 from speedtorch_ops.demo.model import SkipGram, skipgram_loss
-from speedtorch_ops.demo.train import DTYPES, OPTIMIZERS, ModuleTraining, train_all_on_gpu
+from speedtorch_ops.demo.train import (DTYPES, ENGINES, OPTIMIZERS, CollectionTraining,
+                                       train_all_on_gpu)
 
 from _workloads import add_skipgram_shape, lazy_adam_, skipgram_corpus
 
@@ -47,13 +50,23 @@ def memcpy_gbps(device, nbytes=256 << 20) -> float:
     return nbytes / statistics.median(times[2:]) / 1e6
 
 
-def oracle_hit_rate(batches, slots, vocab) -> float:
-    """Distinct ids per step that fall in the `slots[t]` ids of table t used in most steps of
-    `batches` (a cache that knew the future and never changed), both tables pooled (u: centres;
-    v: contexts and negatives)."""
+def cache_keys(run, vocab) -> list:
+    """Per cache of `run`: (batch -> the rows it looks up, as keys below `keys`, keys). The
+    collection's one cache holds both tables (v's rows after u's); the module engine has a
+    cache a table (u: centres; v: contexts and negatives)."""
+    if isinstance(run, CollectionTraining):
+        return [(lambda b: np.concatenate([b[0].ravel(), vocab + b[1].ravel(),
+                                           vocab + b[2].ravel()]), 2 * vocab)]
+    return [(lambda b: b[0], vocab),
+            (lambda b: np.concatenate([b[1].ravel(), b[2].ravel()]), vocab)]
+
+
+def oracle_hit_rate(batches, slots, caches) -> float:
+    """Distinct rows per step that fall in the `slots[c]` rows of cache c used in most steps
+    of `batches` (a cache that knew the future and never changed), every cache pooled;
+    `caches`: cache_keys's."""
     hits = total = 0
-    picks = (lambda b: b[0], lambda b: np.concatenate([b[1].ravel(), b[2].ravel()]))
-    for pick, n in zip(picks, slots):
+    for (pick, vocab), n in zip(caches, slots):
         per_step = [np.unique(pick(b).ravel()) for b in batches]
         steps_used = np.bincount(np.concatenate(per_step), minlength=vocab)
         top = np.zeros(vocab, dtype=bool)
@@ -213,7 +226,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     on at most write_sms (None: the store's default); without a cache lane_sms is the
     prefetch's cap (HostRows.ahead_sms) and write_sms the commit's."""
     run.set_cache_mb(budget_mb)
-    for emb in (run.u, run.v):
+    for emb in run.embeddings:
         if hasattr(emb.store, "overlap"):
             emb.store.overlap, emb.store.lane_sms = overlap, lane_sms
             emb.store.admission = admission
@@ -233,13 +246,13 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     for i in range(a.warmup):
         step(i)
     torch.cuda.synchronize()
-    stats0 = [emb.cache_stats() for emb in (run.u, run.v)]
+    stats0 = [emb.cache_stats() for emb in run.embeddings]
     start = time.perf_counter()
     for i in range(a.steps):
         step(a.warmup + i)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    stats1 = [emb.cache_stats() for emb in (run.u, run.v)]
+    stats1 = [emb.cache_stats() for emb in run.embeddings]
     host = []
     for i in range(10):  # host time to queue one step, the GPU idle
         torch.cuda.synchronize()
@@ -250,16 +263,18 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     lookups = sum(s1["lookups"] - s0["lookups"] for s0, s1 in zip(stats0, stats1))
     hits = sum(s1["hits"] - s0["hits"] for s0, s1 in zip(stats0, stats1))
     moved = sum(s1["host_bytes"] - s0["host_bytes"] for s0, s1 in zip(stats0, stats1))
-    slots = [getattr(emb.store, "slots", 0) for emb in (run.u, run.v)]
+    slots = [getattr(emb.store, "slots", 0) for emb in run.embeddings]
     used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
             "admission": admission if budget_mb > 0 else None,
             "lane_sms": lane_sms if overlap and budget_mb > 0 else None,
-            "write_sms": run.v.store.write_sms if overlap or budget_mb == 0 else None,
+            "write_sms": run.embeddings[-1].store.write_sms if overlap or budget_mb == 0
+            else None,
             "ahead_sms": lane_sms if budget_mb == 0 and run.prefetching else None,
             "steps_per_s": a.steps / seconds,
             "hit_rate": hits / lookups if lookups else 0.0,
-            "oracle_hit_rate": oracle_hit_rate(used, slots, a.vocab) if slots[0] else 0.0,
+            "oracle_hit_rate": (oracle_hit_rate(used, slots, cache_keys(run, a.vocab))
+                                if slots[0] else 0.0),
             "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
             "host_ms_per_step": 1e3 * statistics.median(host),
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
@@ -316,6 +331,9 @@ def profile_steps(a, run, batches, device) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_skipgram_shape(p)
+    p.add_argument("--engine", choices=["collection", "module"], default="collection",
+                   help="collection: both tables in one HostEmbeddingCollection (the demo's "
+                        "engine); module: a HostEmbedding a table")
     p.add_argument("--optimizer", default="adam")
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
                    help="the tables' and their state's dtypes, one set of runs each (16-bit: "
@@ -373,12 +391,15 @@ def main() -> None:
     rows = []
     for dtype in a.dtypes:  # one set of tables a dtype, trained on the same batches
         a.dtype = dtype
-        run = ModuleTraining(a, device)
+        # The SM caps are each run's (run_budget): the engine starts with its stores' own.
+        run = ENGINES[a.engine](argparse.Namespace(**{**vars(a), "lane_sms": None,
+                                                      "write_sms": None}), device)
         for b in a.budgets:
             for mode, overlap, sms, admission, write_sms in settings(a, b):
                 rows.append({**run_budget(a, run, batches, device, b, mode, overlap, sms,
                                           admission, write_sms),
-                             "dtype": dtype, "row_bytes": run.u.row_bytes})
+                             "dtype": dtype, "engine": a.engine,
+                             "row_bytes": run.embeddings[0].row_bytes})
                 print(rows[-1], flush=True)
         if a.profile is not None and dtype == a.dtypes[0]:
             profile_steps(a, run, batches, device)
@@ -436,7 +457,7 @@ def main() -> None:
             r["budget_mb"] == 0 or
             r["overlap"] == (overlap == "on") and r["admission"] == admission)]
         ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
-                label=f"HostEmbedding {dtype} + GPU row cache ({mode}, overlap {overlap}, "
+                label=f"{a.engine} {dtype} + GPU row cache ({mode}, overlap {overlap}, "
                       f"admission {admission})")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.axhline(captured["steps_per_s"], color="black", ls=":",

@@ -44,8 +44,8 @@ def simulate(store, batches, steps: int, warmup: int, prefetch: bool) -> list:
             store.prefetch(Plan(v_ids(batches[(i + 1) % len(batches)]), "cpu"))
         store.commit()
         if i == warmup - 1:
-            before = store.stats.clone()
-    return (store.stats - before).tolist()
+            before = store.counters().clone()
+    return (store.counters() - before).tolist()
 
 
 def main() -> None:

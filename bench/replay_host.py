@@ -4,7 +4,7 @@ the same replays fed with ids already on the GPU, and against replays of one bat
 the host took to queue them; and the host time of each piece (a step, a replay, the input
 copies, the six uploads one by one and at once) with the GPU kept busy. Prints; run from the repository root:
 
-    python3 bench/replay_host.py [--budget MiB] [skip-gram shape arguments]
+    python3 bench/replay_host.py [--budget MiB] [--engine collection|module] [skip-gram shape arguments]
 """
 import argparse
 import sys
@@ -15,19 +15,20 @@ import torch
 sys.path.insert(0, "bench")
 from _timing import host_while_busy  # noqa: E402
 from _workloads import add_skipgram_shape, skipgram_corpus  # noqa: E402
-from speedtorch_ops.demo.train import ModuleTraining  # noqa: E402
+from speedtorch_ops.demo.train import ENGINES  # noqa: E402
 from speedtorch_ops.training.placement import upload, upload_all  # noqa: E402
 
 p = argparse.ArgumentParser()
 add_skipgram_shape(p)
 p.add_argument("--budget", type=float, default=1200)
+p.add_argument("--engine", choices=["collection", "module"], default="collection")
 a = p.parse_args([] if len(sys.argv) < 2 else sys.argv[1:])
 a.optimizer, a.lr, a.unfused = "adam", 0.05, False
 a.cache_mb, a.graph, a.fused = 0, "on", True
 dev = torch.device("cuda", 0)
 corpus = skipgram_corpus(a)
 batches = [corpus.batch(a.batch, a.negatives) for _ in range(100)]
-run = ModuleTraining(a, dev)
+run = ENGINES[a.engine](a, dev)
 run.set_cache_mb(a.budget)
 run.graphed = run.prefetching = True
 

@@ -1,5 +1,6 @@
-"""Where the main job's cached step spends its GPU time: the demo's module engine (HostEmbedding
-with GPU row caches) on the Zipf corpus, profiled two ways with torch.profiler.
+"""Where the main job's cached step spends its GPU time: the demo's engine (--engine collection:
+both tables in one HostEmbeddingCollection behind one GPU row cache; module: a HostEmbedding with
+its own cache a table) on the Zipf corpus, profiled two ways with torch.profiler.
 
 - eager steps, each phase wrapped in a named range (the stores' stage, victim choice, commit,
   prefetch; the distinct ids; the optimizer; forward and backward): GPU time and kernels per
@@ -21,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from speedtorch_ops.demo.train import ModuleTraining
+from speedtorch_ops.demo.train import ENGINES
 
 from _workloads import add_skipgram_shape, skipgram_corpus
 
@@ -190,6 +191,7 @@ def union_us(spans) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_skipgram_shape(p)
+    p.add_argument("--engine", choices=["collection", "module"], default="collection")
     p.add_argument("--budget", type=float, default=1200, help="cache MiB, both tables")
     p.add_argument("--prefetch", choices=["on", "off"], default="on")
     p.add_argument("--steps", type=int, default=10)
@@ -220,8 +222,8 @@ def main() -> None:
             run.step(batches[i % 64], batches[(i + 1) % 64])
 
     def make():
-        run = ModuleTraining(args, device)
-        for emb in (run.u, run.v):
+        run = ENGINES[a.engine](args, device)
+        for emb in run.embeddings:
             if a.lane_sms is not None:
                 setattr(emb.store, "lane_sms" if hasattr(emb.store, "lane_sms") else "ahead_sms",
                         a.lane_sms)

@@ -32,6 +32,7 @@ unusable after a failed capture, so start a new process.
 from __future__ import annotations
 
 import gc
+import math
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -89,22 +90,30 @@ class CapturedStep:
         self._flat: Optional[torch.Tensor] = None  # the inputs' one buffer
         self._outputs = None
         self._side = torch.cuda.Stream(self.device)
+        self._pinned = _PinnedRing()
 
-    def _checked(self, ids) -> list:
+    def _checked(self, ids):
+        """The call's ids checked against ``rows``: ``_HostIds`` (host ids of one integer
+        dtype, copied into one pinned buffer and checked there), or a list of int64 tensors
+        (ids on the step's GPU, or host ids of mixed dtypes)."""
         if len(ids) != len(self.rows):
             raise ValueError(f"expected {len(self.rows)} id tensors (one per entry of rows), got "
                              f"{len(ids)}")
         if ids and all(isinstance(x, torch.Tensor) and x.device == self.device for x in ids):
             return self._checked_on_device(ids)
-        out = []
-        for k, (x, rows) in enumerate(zip(ids, self.rows)):
+        for k, x in enumerate(ids):
             shape = tuple(np.shape(x))
-            flat = host_ids(x, f"ids[{k}]")
             if self._inputs is not None and shape != tuple(self._inputs[k].shape):
                 raise ValueError(f"ids[{k}] has shape {shape}, but the step was captured with "
                                  f"{tuple(self._inputs[k].shape)}; a graph replays fixed shapes")
+        staged = _HostIds.of(ids, self.rows, self._pinned)
+        if staged is not None:
+            return staged
+        out = []
+        for k, (x, rows) in enumerate(zip(ids, self.rows)):
+            flat = host_ids(x, f"ids[{k}]")
             Plan(flat, "cpu").check(rows, f"ids[{k}]")
-            out.append(flat.view(shape))
+            out.append(flat.view(np.shape(x)))
         return out
 
     def _checked_on_device(self, ids) -> list:
@@ -128,9 +137,13 @@ class CapturedStep:
         with torch.cuda.device(self.device):
             return self._call(ids)
 
-    def _inputs_of(self, checked: list, out: Optional[torch.Tensor] = None) -> tuple:
-        """(one buffer, the step's inputs in it) on the GPU: host ids in one upload (into
-        `out` when given), ids on the GPU in one copy there."""
+    def _inputs_of(self, checked, out: Optional[torch.Tensor] = None) -> tuple:
+        """(one int64 buffer, the step's inputs in it) on the GPU (`out` when given): host ids
+        in one upload, ids on the GPU in one copy there."""
+        if isinstance(checked, _HostIds):
+            uploaded = checked.upload(self.device, out)
+            self._pinned.copied()
+            return uploaded
         if checked[0].device.type == "cpu":
             return upload_all(checked, self.device, out=out)
         if out is None:
@@ -194,3 +207,94 @@ class CapturedStep:
             self._inputs_of(host, out=self._flat)
         self.graph.replay()
         return self._outputs
+
+
+class _HostIds:
+    """A call's host ids, all of one integer dtype (NumPy arrays or plain CPU tensors), copied
+    as they are into one pinned buffer and checked there; widened to int64 on the GPU. The
+    host's share of a step: no int64 copy of each input, two reductions per input, one pinned
+    allocation and one copy (int32 ids cross in half the bytes)."""
+
+    # NumPy dtypes whose values torch copies and widens on the GPU as they are (torch's
+    # unsigned types past uint8 have no such copy).
+    _DTYPES = {np.dtype(t): getattr(torch, t) for t in ("int8", "uint8", "int16", "int32",
+                                                         "int64")}
+
+    def __init__(self, staging: torch.Tensor, shapes: list):
+        self.staging, self.shapes = staging, shapes
+
+    @classmethod
+    def of(cls, ids, rows: Sequence[int], pinned: "_PinnedRing") -> Optional["_HostIds"]:
+        """The ids staged in a buffer of `pinned` and checked (a bad id raises, naming its
+        input, position and value; nothing is copied to the GPU), or None when they are not all
+        host ids of one such dtype."""
+        arrays = []
+        for x in ids:
+            if isinstance(x, torch.Tensor):
+                if type(x) is not torch.Tensor or x.device.type != "cpu" or x.is_neg():
+                    return None
+                x = x.numpy()
+            elif not isinstance(x, np.ndarray):
+                return None
+            arrays.append(x)
+        if not arrays:
+            return None
+        dtype = arrays[0].dtype
+        if dtype not in cls._DTYPES or any(a.dtype != dtype for a in arrays):
+            return None
+        sizes = [a.size for a in arrays]
+        staging = pinned.take(sum(sizes), cls._DTYPES[dtype])
+        flat, at = staging.numpy(), 0
+        for k, (a, n) in enumerate(zip(arrays, sizes)):
+            part = flat[at:at + n]
+            np.copyto(part, a.reshape(-1))
+            at += n
+            if n and (part.min() < 0 or part.max() >= rows[k]):
+                # The first bad id, named as the general path names it.
+                Plan(host_ids(a, f"ids[{k}]"), "cpu").check(rows[k], f"ids[{k}]")
+        return cls(staging, [a.shape for a in arrays])
+
+    def upload(self, device: torch.device, out: Optional[torch.Tensor] = None) -> tuple:
+        """(the ids as one int64 buffer on `device`, `out` when given; the inputs, views of it
+        in their shapes), queued on the current stream: one copy from the pinned buffer,
+        widened there if narrower."""
+        if out is None:
+            out = torch.empty(self.staging.numel(), dtype=torch.int64, device=device)
+        if self.staging.dtype == torch.int64:
+            out.copy_(self.staging, non_blocking=True)
+        else:
+            out.copy_(self.staging.to(device, non_blocking=True))
+        sizes = [math.prod(s) for s in self.shapes]
+        return out, [part.view(s) for part, s in zip(out.split(sizes), self.shapes)]
+
+
+class _PinnedRing:
+    """A few pinned buffers for a step's host ids, taken in turn; each is written again once
+    the copy out of it has run, so the host waits only when it is that many calls ahead of the
+    GPU. Kept, not taken from torch's pinned allocator each call: while the GPU is busy its
+    blocks are not free again until their copies ran, and a new block costs a page-locking
+    call."""
+
+    SIZE = 3
+
+    def __init__(self):
+        self._buffers: list = [None] * self.SIZE
+        self._done: list = [None] * self.SIZE
+        self._turn = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next buffer as `numel` elements of `dtype` (its last copy waited for)."""
+        k = self._turn % self.SIZE
+        buf = self._buffers[k]
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[k] = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self._done[k] = None  # the old buffer's copy keeps it (torch's allocator's event)
+        elif self._done[k] is not None:
+            self._done[k].synchronize()
+        return buf[:numel]
+
+    def copied(self) -> None:
+        """The copy out of the buffer taken last is queued on the current stream: its event."""
+        k = self._turn % self.SIZE
+        self._done[k] = torch.cuda.current_stream().record_event()
+        self._turn += 1

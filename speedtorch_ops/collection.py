@@ -308,13 +308,18 @@ class HostEmbeddingBagCollection(nn.Module):
         for g in range(len(self.groups)):
             feats = sorted((f for f in self.features if self._group_of[f.table] == g),
                            key=lambda f: order[f.pooling])
-            pieces, starts, n = [], [], 0
+            ranges, starts, n = [], [], 0  # [lo, hi, table] of values
             for f in feats:
                 _, lo, hi = at[f.name]
-                pieces.append(self._stacked(f.table, values[lo:hi].to(torch.int64)))
+                if ranges and ranges[-1][1] == lo and ranges[-1][2] == f.table:
+                    ranges[-1][1] = hi  # features of one table side by side: one piece
+                else:
+                    ranges.append([lo, hi, f.table])
                 starts.append(n)
                 n += hi - lo
-            flat = torch.cat(pieces) if pieces else values.new_zeros(0, dtype=torch.int64)
+            pieces = [self._stacked(t, values[lo:hi].to(torch.int64)) for lo, hi, t in ranges]
+            flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
+                    else values.new_zeros(0, dtype=torch.int64))
             if flat.device != device:
                 flat = upload(flat, device) if flat.device.type == "cpu" else flat.to(device)
             out.append((feats, flat, starts))
@@ -402,14 +407,18 @@ class HostEmbeddingBagCollection(nn.Module):
         searches, not an add a row: those pile onto a handful of counters)."""
         group = self.groups[g]
         ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
-        upto = torch.searchsorted(d.key, ends)  # distinct rows below each table's end
-        hits = group.store.last_hits()
-        zero = upto.new_zeros(1)
-        hits_upto = (torch.cat([zero, torch.cumsum(hits, 0)])[upto] if hits is not None
-                     else torch.zeros_like(upto))
-        counts = torch.stack([torch.diff(upto, prepend=zero),
-                              torch.diff(hits_upto, prepend=zero)], 1)
-        self._table_stats.index_add_(0, mine, counts)
+        # On the store's books: nothing in the step reads the counts. What is made there
+        # stays there (the Distinct's key, made here, would be another stream's to use).
+        with group.store.counting(d):
+            key = torch.where(d.valid, d.ids, torch.iinfo(torch.int64).max)
+            upto = torch.searchsorted(key, ends)  # distinct rows below each table's end
+            hits = group.store.last_hits()
+            zero = upto.new_zeros(1)
+            hits_upto = (torch.cat([zero, torch.cumsum(hits, 0)])[upto] if hits is not None
+                         else torch.zeros_like(upto))
+            counts = torch.stack([torch.diff(upto, prepend=zero),
+                                  torch.diff(hits_upto, prepend=zero)], 1)
+            self._table_stats.index_add_(0, mine, counts)
 
     @_eager
     def step(self) -> None:
@@ -450,6 +459,8 @@ class HostEmbeddingBagCollection(nn.Module):
         ("total"): HostEmbedding.cache_stats's counts (the tables
         of a group share one cache); per table (by name): distinct rows looked up, cache hits
         and the hit rate, under "tables". Reading them waits for the GPU."""
+        for g in self.groups:  # the counting queued so far
+            g.store.counters()
         per_table = self._table_stats.tolist()
         widths = [g.embedding_dim for g in self.groups]
         out = {}

@@ -651,7 +651,13 @@ class _HostRowsModule(nn.Module):
         if self._rows.grad is not None and isinstance(self.optimizer, torch.optim.SparseAdam):
             self._rows.grad = self._rows.grad.to_sparse(1)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self._check_capturable()
+            try:
+                self._check_capturable()
+            except RuntimeError:
+                # The capture fails: its forward is dropped, so the stores' side streams are
+                # joined and the capture ends on this error alone.
+                self.discard()
+                raise
         self._take_scalar_views()
         pad = None
         if staged.pad_at is not None:  # the padding row never updates: kept as staged
@@ -919,7 +925,7 @@ class _HostRowsModule(nn.Module):
         from the cache to make room (a read-only forward's too, whose rows stay cached; counted
         once its step commits or is discarded), misses written straight back; the hit rate;
         bytes moved over the host link."""
-        counts = self.store.stats.tolist()
+        counts = self.store.counters().tolist()
         out = {stat.name.lower(): int(counts[stat]) for stat in Stat}
         moved = (out["host_loads"] - out["prefetched_loads"] + out["prefetched_rows"]
                  + out["evictions"] + out["direct_writebacks"])

@@ -162,8 +162,8 @@ def _graph_settings(a, cls, kwargs: dict, device) -> tuple:
 
 class CollectionTraining:
     """Both tables in one ``speedtorch_ops.HostEmbeddingCollection`` (u: the centre words,
-    feature "centre"; v: each centre's context and negatives, feature "context"): one step
-    plans both tables at once, one sort, one cache lookup, one transfer each way, one fused
+    feature "centre"; v: each centre's context and its negatives, features "context" and
+    "negatives"): one step plans both tables at once, one sort, one cache lookup, one transfer each way, one fused
     update; their rows and optimizer state in (pinned) host memory behind one GPU row cache of
     ``--cache-mb``. On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a
     CUDA graph (``speedtorch_ops.CapturedStep``) that also prefetches the next batch's rows.
@@ -176,7 +176,7 @@ class CollectionTraining:
         self.a, self.vocab, self.steps_done = a, a.vocab, 0
         tables = [so.TableConfig("u", a.vocab, a.dim, pooling="none", feature_names=["centre"]),
                   so.TableConfig("v", a.vocab, a.dim, pooling="none",
-                                 feature_names=["context"])]
+                                 feature_names=["context", "negatives"])]
         options = dict(optimizer=cls, optimizer_kwargs=kwargs, device=device,
                        cache_bytes=int(a.cache_mb * 2**20) if device.type == "cuda" else 0,
                        bounds_check=getattr(a, "bounds_check", None)
@@ -196,6 +196,7 @@ class CollectionTraining:
                 if getattr(a, cap, None) is not None and hasattr(g.store, cap):
                     setattr(g.store, cap, getattr(a, cap))
         self._captured = None
+        self._jagged: dict = {}  # (batch, negatives, device) -> the jagged batch's lengths
 
     def set_cache_mb(self, cache_mb: float) -> None:
         """The caches resized to share `cache_mb` (see the collection's set_cache_bytes)."""
@@ -203,21 +204,29 @@ class CollectionTraining:
         self.ebc.set_cache_bytes(int(cache_mb * 2**20))
 
     def _kjt(self, labels, ctx, negs):
-        b = labels.shape[0]
-        values = torch.cat([labels.reshape(-1), torch.cat([ctx.view(b, -1), negs], 1).view(-1)])
-        lengths = torch.cat([torch.ones(b, dtype=torch.int64, device=values.device),
-                             torch.full((b,), 1 + negs.shape[1], dtype=torch.int64,
-                                        device=values.device)])
-        return so.KeyedJaggedTensor(["centre", "context"], values, lengths=lengths,
-                                    length_per_key=[b, b * (1 + negs.shape[1])])
+        """The batch as a jagged batch: a bag of one centre, one context and the negatives
+        per sample; its lengths and offsets depend on the shapes only, made once (a captured
+        step's warm-up makes them)."""
+        b, n = labels.shape[0], negs.shape[1]
+        values = torch.cat([labels.reshape(-1), ctx.reshape(-1), negs.reshape(-1)])
+        key = (b, n, values.device)
+        if key not in self._jagged:
+            lengths = torch.tensor([1] * (2 * b) + [n] * b, dtype=torch.int64)
+            offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+            self._jagged[key] = (lengths.to(values.device), offsets.to(values.device))
+        lengths, offsets = self._jagged[key]
+        return so.KeyedJaggedTensor(["centre", "context", "negatives"], values, lengths=lengths,
+                                    offsets=offsets, length_per_key=[b, b, b * n])
 
     def _train(self, labels, ctx, negs, *following) -> Tensor:
         out = self.ebc(self._kjt(labels, ctx, negs))
         if following:  # loads while this step's backward and update run
             self.ebc.prefetch(self._kjt(*following))
-        b = labels.shape[0]
-        rows = out["context"].view(b, -1, self.a.dim).float()  # 16-bit rows: float32 math
-        loss = skipgram_loss(out["centre"].view(b, 1, -1).float(), rows[:, :1], rows[:, 1:])
+        b, d = labels.shape[0], self.a.dim
+        # 16-bit rows: float32 math
+        loss = skipgram_loss(out["centre"].view(b, 1, d).float(),
+                             out["context"].view(b, 1, d).float(),
+                             out["negatives"].view(b, -1, d).float())
         loss.backward()
         self.ebc.step()
         return loss.detach()
@@ -231,14 +240,20 @@ class CollectionTraining:
             following = None
         elif following is None:
             following = batch
-        if self._captured is None and self.graphed:
-            self._captured = so.CapturedStep(
-                self._train, rows=(self.vocab,) * (6 if self.prefetching else 3),
-                device=self.ebc.device, group=getattr(self.ebc, "route_group", None))
-        if self._captured is not None:
+        if self.graphed:
+            if self._captured is None:
+                self._captured = so.CapturedStep(
+                    self._train, rows=(self.vocab,) * (6 if self.prefetching else 3),
+                    device=self.ebc.device, group=getattr(self.ebc, "route_group", None))
             return self._captured(*batch, *(following or ())).clone()  # overwritten next step
         inputs = [torch.as_tensor(x).to(self.ebc.device) for x in (*batch, *(following or ()))]
         return self._train(*inputs)
+
+    @property
+    def embeddings(self) -> list:
+        """The modules whose stores hold the rows (each with ``store`` and ``cache_stats()``):
+        the collection's groups of tables, each one store."""
+        return list(self.ebc.groups)
 
     def tables(self) -> list:
         return [g.host for g in self.ebc.groups]
@@ -350,6 +365,11 @@ class ModuleTraining:
             if self.prefetching else batch
         return self._captured(*inputs).clone()  # the graph's output is overwritten next step
 
+    @property
+    def embeddings(self) -> list:
+        """The modules whose stores hold the rows (each with ``store`` and ``cache_stats()``)."""
+        return [self.u, self.v]
+
     def tables(self) -> list:
         return [self.u.host, self.v.host]
 
@@ -378,6 +398,11 @@ class ModuleTraining:
         return "; ".join(parts)
 
 
+# --engine: the training loops by name (the benches time the first two too).
+ENGINES = {"collection": CollectionTraining, "module": ModuleTraining,
+           "factories": SwitcherTraining}
+
+
 def timed_steps(a, device, step) -> float:
     """Runs step(i) for i in range(a.steps) and returns the seconds of the steps after the
     first `warmup_steps(a)` (first calls allocate, load kernels and fill caches); the clock
@@ -400,9 +425,7 @@ def warmup_steps(a) -> int:
 def train_engine(a, corpus, device):
     """Train with the engine of --engine (a HostEmbeddingCollection of both tables, a
     HostEmbedding a table, or the factories); timed."""
-    engines = {"collection": CollectionTraining, "module": ModuleTraining,
-               "factories": SwitcherTraining}
-    run = engines[a.engine](a, device)
+    run = ENGINES[a.engine](a, device)
     losses = []
     next_batch = batch_source(a, corpus)
     batch = [next_batch(0)]  # this step's

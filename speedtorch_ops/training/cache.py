@@ -48,6 +48,7 @@ join); a prefetch between steps is joined by the next stage.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from enum import IntEnum
@@ -128,9 +129,12 @@ class Distinct:
 
 def _among(ids: Tensor, of: "Distinct") -> Tensor:
     """Whether each of `ids` is one of the distinct ids of `of` (of at least one id): a binary
-    search on the device, no wait."""
-    at = torch.searchsorted(of.key, ids).clamp_(max=of.n - 1)
-    return of.key[at] == ids
+    search on the device, no wait. `of`'s key is made here when it has none yet, and not kept
+    (this may run on another stream than `of`'s)."""
+    key = of._key if of._key is not None else torch.where(of.valid, of.ids,
+                                                           torch.iinfo(torch.int64).max)
+    at = torch.searchsorted(key, ids).clamp_(max=of.n - 1)
+    return key[at] == ids
 
 
 class Stat(IntEnum):
@@ -200,11 +204,19 @@ class HostRows:
         self._carry: Optional[Carry] = None
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead_done = None  # the event after the last prefetch's transfer
+        self._ahead_planned = None  # the event after it read the cache's map (see prefetch)
         self._ahead_captured = False  # that event belongs to a CUDA graph capture
         self._ahead_uses: list = []  # what that transfer reads, alive until it is joined
         # A step of this store was captured in a CUDA graph: its replays take and refill the
         # carry without Python, so a prefetch outside the graph would race with them.
         self._graphed = False
+        # The books: a side stream for the counters nothing in a step reads (``stats``, a
+        # collection's counts a table), so their small kernels leave the chain of kernels
+        # each one waits for; joined wherever the prefetch is (``_join_ahead``: every stage and
+        # commit) and before the counters are read (``counters``).
+        self._books = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._books_done = None  # the event after the last counting
+        self._books_uses: list = []  # what that counting reads, alive until it is joined
 
     def _buffer(self, n: int) -> Tensor:
         return torch.empty((self.parts, n, *self.row_shape), dtype=self.host.dtype,
@@ -250,8 +262,9 @@ class HostRows:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
         else:
             self._load(buf, d, d.valid & ~carried)
-        self.stats[Stat.LOOKUPS] += d.count[0]
-        self.stats[Stat.HOST_LOADS] += d.count[0]
+        with self.counting(d.count):
+            self.stats[Stat.LOOKUPS] += d.count[0]
+            self.stats[Stat.HOST_LOADS] += d.count[0]
         self._staged = Staged(d, buf)
         return buf, d
 
@@ -292,7 +305,8 @@ class HostRows:
             take = miss & carry.loaded & (carry.ids == d.ids)
             # Only the carried rows move (a where over every position moved all of them).
             ops._take_rows(buf, carry.buf, torch.where(take, d.positions, -1), d.count)
-            self.stats[Stat.PREFETCHED_LOADS] += take.sum()
+            with self.counting(take):
+                self.stats[Stat.PREFETCHED_LOADS] += take.sum()
         carry.loaded.zero_()
         return take
 
@@ -319,29 +333,37 @@ class HostRows:
                                "prefetch outside the graph would race with them. Prefetch "
                                "inside the captured step (between its forward and step())")
         self._join_ahead()  # an earlier prefetch, never taken, is overwritten
-        d = Distinct(plan, self.host.shape[0])
-        want = d.valid.clone()
-        cached = self._cached(d.ids)
-        if cached is not None:
-            want &= ~cached
-        # The staged step's commit may write its rows back: the next stage loads them.
-        if self._staged is not None and self._staged.distinct.n:
-            want &= ~_among(d.ids, self._staged.distinct)
-        if self._carry is None or self._carry.ids.numel() != d.n:
+        n = len(plan)
+        if self._carry is None or self._carry.ids.numel() != n:
             if capturing:  # a graph keeps the addresses it captured: the carry must exist
                 raise RuntimeError(f"prefetch inside a CUDA graph capture needs the buffer an "
-                                   f"eager prefetch of {d.n} ids makes: prefetch in the eager "
+                                   f"eager prefetch of {n} ids makes: prefetch in the eager "
                                    "warm-up steps too (CapturedStep's), with the same shapes")
-            self._carry = Carry(self._buffer(d.n))
+            self._carry = Carry(self._buffer(n))
         carry = self._carry
+        # All of it on the side stream, the planning too: the step's forward, backward and
+        # update queued next on the current stream need none of it, and run beside it. The
+        # current stream waits for the planning before the commit changes the cache's map
+        # (CachedRows.commit): a row this step evicts is cached until then, so it is not
+        # prefetched from the host before its write-back.
         with on_stream(self._side, self.device):
+            d = Distinct(plan, self.host.shape[0])
+            want = d.valid.clone()
+            cached = self._cached(d.ids)
+            if cached is not None:
+                want &= ~cached
+            # The staged step's commit may write its rows back: the next stage loads them.
+            if self._staged is not None and self._staged.distinct.n:
+                want &= ~_among(d.ids, self._staged.distinct)
+            self._ahead_planned = self._side.record_event() if self._side is not None else None
             carry.ids.copy_(d.ids)
             carry.loaded.copy_(want)
             uses = self._load(carry.buf, d, want, sms=self._ahead_sms)
             self._ahead_done = self._side.record_event() if self._side is not None else None
+            with self.counting(want):
+                self.stats[Stat.PREFETCHED_ROWS] += want.sum()
         self._ahead_captured = capturing
-        self._ahead_uses = [d, want, *uses]
-        self.stats[Stat.PREFETCHED_ROWS] += want.sum()
+        self._ahead_uses = [plan, d, want, *uses]
 
     # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
     # training kernels: uncapped, they took the SMs the training kernels needed and the
@@ -363,14 +385,37 @@ class HostRows:
 
     def _join_ahead(self) -> None:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
-        or rewritten, what it read freed)."""
+        or rewritten, what it read freed), and for the counting queued so far."""
         if self._ahead_done is not None:
             if self._capturing() and not self._ahead_captured:
                 raise RuntimeError("a prefetch made outside this CUDA graph capture is still "
                                    "loading: a graph cannot wait for it. Prefetch inside the "
                                    "captured step only (between its forward and step())")
             torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
-        self._ahead_done, self._ahead_uses = None, []
+        self._ahead_done, self._ahead_planned, self._ahead_uses = None, None, []
+        self._join_books()
+
+    @contextlib.contextmanager
+    def counting(self, *used: Tensor):
+        """Counting queued inside (kernels that only add to counters) runs on the books, after
+        the work queued so far on the current stream; `used` stay alive until it is joined."""
+        with on_stream(self._books, self.device):
+            yield
+        if self._books is not None:
+            self._books_done = self._books.record_event()
+            self._books_uses.extend(used)
+
+    def _join_books(self) -> None:
+        """The current stream waits for the counting queued so far."""
+        if self._books_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._books_done)
+        self._books_done, self._books_uses = None, []
+
+    def counters(self) -> Tensor:
+        """``stats``, once the counting queued so far is in them (the current stream waits for
+        it; reading them then waits for the GPU)."""
+        self._join_books()
+        return self.stats
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -398,8 +443,10 @@ class HostRows:
         return staged
 
     def discard(self) -> None:
-        """Forget the staged rows without writing them (a read-only forward)."""
+        """Forget the staged rows without writing them (a read-only forward); the current stream
+        joins the counting (a captured step's fork ends here too)."""
         self._staged = None
+        self._join_books()
 
     def reset(self) -> None:
         """The host table is about to be rewritten on the CPU: forget any device copy of its
@@ -508,8 +555,9 @@ class CachedRows(HostRows):
         # host or the carry; the lookup counts each id's use.
         at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, self.slots)
         order, misses = ops._partition(miss)  # misses first, ascending
-        self.stats[Stat.LOOKUPS:Stat.HOST_LOADS + 1] += torch.cat([d.count, d.count - misses,
-                                                                    misses])
+        with self.counting(d.count, misses):
+            self.stats[Stat.LOOKUPS:Stat.HOST_LOADS + 1] += torch.cat([d.count, d.count - misses,
+                                                                        misses])
         # On the lane, as soon as the lookup is done: the victims are chosen and their rows
         # written back while the stage copies the hits and loads the misses, and the step
         # trains. Forked after the copies, the write-back waited for them, on the step's longest
@@ -581,7 +629,8 @@ class CachedRows(HostRows):
     def commit(self) -> None:
         d, buf, at, order, misses, (victims, first, admit, evicted), direct = self._take()
         self._join()  # the evicted rows are on the host: their slots can be overwritten
-        self.stats[Stat.EVICTIONS] += evicted[0]
+        with self.counting(evicted):
+            self.stats[Stat.EVICTIONS] += evicted[0]
         k = first.numel()
         # Misses not admitted go straight back to the host, on the lane while the cache and its
         # map take the step's rows (no row is in both).
@@ -598,11 +647,14 @@ class CachedRows(HostRows):
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
         # misses their victim's, the rest none (the slot past the cache: not moved); one call
         # puts them all back.
+        if self._ahead_planned is not None:  # a prefetch reads the map as it was (prefetch)
+            torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         if direct:  # the hits were updated in their slots: only admitted misses move
             dest = torch.where(at < self.slots, self.slots, dest)
         ops._put_rows(self.cache, buf, dest, d.count)
-        self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
+        with self.counting(rest_count):
+            self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)
         self._join()

@@ -113,6 +113,41 @@ def test_ids_on_the_gpu_train_like_host_ids_and_are_checked_there(gen):
 
 
 @cuda_only
+def test_host_ids_of_any_integer_dtype_train_like_int64(gen):
+    """Host ids of one narrower dtype cross as they are and widen on the GPU; a call of mixed
+    dtypes takes the general path: every call trains as int64 ids do, and a bad id of a narrow
+    dtype raises naming its input and position, with nothing run."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    data = batches(9, gen)
+    emb_w, _, wide_step = build(init, 7, "prechecked")
+    emb_n, _, narrow_step = build(init, 7, "prechecked")
+    wide = so.CapturedStep(wide_step, rows=(ROWS, ROWS), warmup=2)
+    narrow = so.CapturedStep(narrow_step, rows=(ROWS, ROWS), warmup=2)
+    kinds = [lambda x: x.numpy().astype("int32"), lambda x: x.to(torch.int16),
+             lambda x: x.numpy().astype("uint8"), lambda x: x.to(torch.int8)]
+    for k, (ids, other) in enumerate(data):
+        wide(ids, other)
+        if k == 4:  # mixed dtypes
+            narrow(ids.int().numpy(), other)
+        else:
+            narrow(*(kinds[k % len(kinds)](x) for x in (ids, other)))
+    assert narrow.graph is not None
+    assert torch.allclose(emb_n.weight, emb_w.weight, rtol=1e-10, atol=1e-12)
+    before = emb_n.weight.clone()
+    ids, other = data[0]
+    bad = other.numpy().astype("int32")
+    bad.reshape(-1)[6] = -3
+    with pytest.raises(RuntimeError, match=r"ids\[1\]\[6\] = -3 is out of range"):
+        narrow(ids.numpy().astype("int32"), bad)
+    bad = ids.numpy().astype("uint8")
+    bad.reshape(-1)[2] = ROWS
+    with pytest.raises(RuntimeError, match=rf"ids\[0\]\[2\] = {ROWS} is out of range"):
+        narrow(bad, other.numpy().astype("uint8"))
+    torch.cuda.synchronize()
+    assert torch.equal(emb_n.weight, before)  # nothing ran
+
+
+@cuda_only
 def test_captured_step_refuses_bad_ids_and_shapes(gen):
     init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
     emb, _, step = build(init, 7, "prechecked")
