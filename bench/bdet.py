@@ -27,7 +27,9 @@ in turn (theirs interleave the two systems step by step).
   3*D*4 B + CachedRows.index_bytes(cap) a table (the collection shares one cache between
   tables of one width). --mode eager (KeyedJaggedTensors built beforehand, untimed, as theirs)
   and captured (CapturedStep: the ids already on the GPU, checked there with one wait within
-  the timed step; run last, stopping at the first failure, which can spoil the CUDA state).
+  the timed step; run last, stopping at the first failure, which can spoil the CUDA state);
+  captured-prefetch: captured, each step also prefetching the next batch's rows (the batches
+  cycle), as a training pipeline that knows its next batch can.
 
 Output: a table, --out JSON (per run: mean / median / p90 ms, the hit rate over the timed steps,
 ours_over_baseline = our ms / the baseline's; the published H100 numbers), --plot PNG.
@@ -229,27 +231,39 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
          for k in keys], optimizer=torch.optim.Adam, optimizer_kwargs=kwargs, device=device,
         cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype,
         stochastic_rounding=a.rounding == "stochastic")
+    for cap in ("lane_sms", "write_sms"):  # the cache's SM caps, where given
+        for g in ebc.groups:
+            if getattr(a, cap) is not None and hasattr(g.store, cap):
+                setattr(g.store, cap, getattr(a, cap))
     if dtype != grad.dtype:  # the outputs' gradient in their dtype, the same values
         grad, fixed_grad = torch.empty_like(grad, dtype=dtype), fixed_grad.to(dtype)
     grads = list(grad.split(a.ids_per_table))
     lengths = torch.ones(len(keys) * a.ids_per_table, dtype=torch.int64, device=device)
     offsets = torch.arange(len(lengths) + 1, device=device)  # one id a sample, as theirs
 
-    def train(kjt):
+    def train(kjt, ahead=None):
         out = ebc(kjt)
+        if ahead is not None:  # the next batch's rows load during this step's backward
+            ebc.prefetch(ahead)
         torch.autograd.backward([out[k] for k in keys], grads)
         ebc.step()
         return ()
+
+    def batch(values):  # given the ids per key, building it reads nothing back: capturable
+        return so.KeyedJaggedTensor(keys, values, lengths=lengths, offsets=offsets,
+                                    length_per_key=[a.ids_per_table] * len(keys))
 
     if mode == "eager":
         kjts = [so.KeyedJaggedTensor.from_lengths_sync(keys, ids[i], lengths)
                 for i in range(a.steps)]
         step = lambda i: train(kjts[i])  # noqa: E731
-    else:  # given the ids per key, building the batch reads nothing back: it can be captured
-        captured = so.CapturedStep(lambda values: train(so.KeyedJaggedTensor(
-            keys, values, lengths=lengths, offsets=offsets,
-            length_per_key=[a.ids_per_table] * len(keys))), rows=(a.cap,))
+    elif mode == "captured":
+        captured = so.CapturedStep(lambda values: train(batch(values)), rows=(a.cap,))
         step = lambda i: captured(ids[i])  # noqa: E731  (on the GPU: checked there)
+    else:  # captured-prefetch: each step also prefetches the next batch (a pipeline's)
+        captured = so.CapturedStep(lambda values, ahead: train(batch(values), batch(ahead)),
+                                   rows=(a.cap, a.cap))
+        step = lambda i: captured(ids[i], ids[(i + 1) % a.steps])  # noqa: E731
     marks = []  # the counts after the warm-up, whose lookups stay out of the hit rate
     result = timed_steps(step, a, grad, fixed_grad, device,
                          lambda: marks.append(ebc.cache_stats()["total"]),
@@ -257,7 +271,12 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     after = ebc.cache_stats()["total"]
     lookups = after["lookups"] - marks[0]["lookups"]
     hit = (after["hits"] - marks[0]["hits"]) / lookups if cuda and lookups else None
-    return {**result, "hit_rate": hit}
+    # Per step (the timed ones and the profiled, if any): rows that crossed the host link.
+    steps = result["steps"] + (3 if a.profile and cuda else 0)
+    moved = {k: (after[k] - marks[0][k]) / steps for k in (
+        "host_loads", "prefetched_loads", "prefetched_rows", "evictions", "direct_writebacks",
+        "host_bytes")}
+    return {**result, "hit_rate": hit, "per_step": moved}
 
 
 def row_bytes(a) -> int:
@@ -329,8 +348,16 @@ def main():
     p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
                    help="how 16-bit tables store their updates")
     p.add_argument("--systems", type=listed, default=["ours", "baseline"])
-    p.add_argument("--mode", type=listed, default=["eager", "captured"], help="ours' modes")
+    p.add_argument("--mode", type=listed, default=["eager", "captured"],
+                   help="ours' modes: eager, captured, captured-prefetch (captured, each step "
+                        "prefetching the next batch's rows, as a training pipeline can)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code")
+    p.add_argument("--lane-sms", type=int, default=None,
+                   help="the SMs the cache's loads (and a prefetch's) may use (CachedRows.lane_sms; "
+                        "default: the store's)")
+    p.add_argument("--write-sms", type=int, default=None,
+                   help="the SMs the cache's write-backs may use (CachedRows.write_sms; default: "
+                        "the store's)")
     p.add_argument("--out", help="JSON path")
     p.add_argument("--plot", help="PNG path")
     p.add_argument("--profile", help="a folder for torch.profiler tables of 3 steps a run")
@@ -373,13 +400,14 @@ def main():
     if "baseline" in a.systems:
         attempt({"system": "baseline", "mode": "captured" if device.type == "cuda" else "eager"},
                 lambda: run_baseline(a, ids, grad, fixed_grad, device))
-    for mode in [m for m in ("eager", "captured") if m in a.mode and "ours" in a.systems]:
-        if mode == "captured" and device.type != "cuda":
+    for mode in [m for m in ("eager", "captured", "captured-prefetch")
+                 if m in a.mode and "ours" in a.systems]:
+        if mode.startswith("captured") and device.type != "cuda":
             continue  # a CUDA graph needs a GPU
         for cfr in a.cfr:
             if not attempt({"system": "ours", "mode": mode, "cfr": cfr, **plans[cfr]},
                            lambda: run_ours(a, ids, grad, fixed_grad, device, mode,
-                                            plans[cfr]["cache_bytes"])) and mode == "captured":
+                                            plans[cfr]["cache_bytes"])) and mode != "eager":
                 break
     base = next((r["mean_ms"] for r in runs if r["system"] == "baseline" and "mean_ms" in r),
                 None)

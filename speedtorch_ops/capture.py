@@ -62,7 +62,8 @@ class CapturedStep:
     Returns (a call ``captured(*ids)``, ids as NumPy arrays or tensors on any device): the
     step's outputs, the graph's own tensors (overwritten by the next call: clone to keep). Ids
     already on the step's GPU (all of a call's) are checked there with one wait and copied on
-    the device; others are checked on the host and uploaded in one copy.
+    the device; others are checked on the host and uploaded in one copy (ids of one integer
+    dtype as they are, widened to int64 on the GPU).
 
     Example::
 
@@ -211,9 +212,9 @@ class CapturedStep:
 
 class _HostIds:
     """A call's host ids, all of one integer dtype (NumPy arrays or plain CPU tensors), copied
-    as they are into one pinned buffer and checked there; widened to int64 on the GPU. The
-    host's share of a step: no int64 copy of each input, two reductions per input, one pinned
-    allocation and one copy (int32 ids cross in half the bytes)."""
+    as they are into one pinned buffer (of a ``_PinnedRing``) and checked there; widened to
+    int64 on the GPU. The host's share of a step: no int64 copy of each input, two reductions
+    per input and one copy (int32 ids cross in half the bytes)."""
 
     # NumPy dtypes whose values torch copies and widens on the GPU as they are (torch's
     # unsigned types past uint8 have no such copy).

@@ -702,7 +702,9 @@ class CachedRows(HostRows):
         the step wrote back at stage are counted."""
         self._join()
         if self._staged is not None:
-            self.stats[Stat.EVICTIONS] += self._staged.victims.evicted[0]
+            evicted = self._staged.victims.evicted
+            with self.counting(evicted):
+                self.stats[Stat.EVICTIONS] += evicted[0]
 
     def reset(self) -> None:
         """The host table is about to be rewritten: the cached copies are dropped, not written
