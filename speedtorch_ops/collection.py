@@ -419,12 +419,26 @@ class HostEmbeddingBagCollection(nn.Module):
             counts = torch.stack([torch.diff(upto, prepend=zero),
                                   torch.diff(hits_upto, prepend=zero)], 1)
             self._table_stats.index_add_(0, mine, counts)
+        if group._staged is None:  # a read-only forward: no commit will join the counting
+            group.store._join_books()
 
     @_eager
     def step(self) -> None:
         """Update every table's touched rows (and state) and commit them."""
-        for group in self.groups:
-            group.step()
+        self._step_groups()
+
+    def _step_groups(self) -> None:
+        """Each group's step(). Inside a CUDA graph capture a failing one drops every group's
+        staged forward, so all their side streams are joined and the capture ends on that
+        error."""
+        try:
+            for group in self.groups:
+                group.step()
+        except BaseException:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                for group in self.groups:
+                    group.discard()
+            raise
 
     @_eager
     def prefetch(self, features) -> None:

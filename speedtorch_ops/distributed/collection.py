@@ -404,8 +404,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             if self.grad_scale != 1.0:
                 grad = grad * self.grad_scale
             served.backward(grad)  # sums a row's gradients from every rank that asked for it
-        for group in self.groups:
-            group.step()
+        self._step_groups()
 
     @_eager
     def prefetch(self, features) -> None:

@@ -212,10 +212,11 @@ class HostRows:
         self._graphed = False
         # The books: a side stream for the counters nothing in a step reads (``stats``, a
         # collection's counts a table), so their small kernels leave the chain of kernels
-        # each one waits for; joined wherever the prefetch is (``_join_ahead``: every stage and
-        # commit) and before the counters are read (``counters``).
+        # each one waits for; joined at every stage, commit and discard (``_join_side``) and
+        # before the counters are read (``counters``).
         self._books = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._books_done = None  # the event after the last counting
+        self._books_captured = False  # that event belongs to a CUDA graph capture
         self._books_uses: list = []  # what that counting reads, alive until it is joined
 
     def _buffer(self, n: int) -> Tensor:
@@ -283,7 +284,7 @@ class HostRows:
         carry is read next); returns the plan's distinct ids."""
         plan.check(self.host.shape[0])
         self._graphed |= self._capturing()
-        self._join_ahead()
+        self._join_side()
         return Distinct(plan, self.host.shape[0])
 
     def _load(self, buf: Tensor, d: "Distinct", which: Tensor, sms: int = 0) -> tuple:
@@ -363,7 +364,10 @@ class HostRows:
             with self.counting(want):
                 self.stats[Stat.PREFETCHED_ROWS] += want.sum()
         self._ahead_captured = capturing
-        self._ahead_uses = [plan, d, want, *uses]
+        # What the side stream reads stays alive until it is joined: the staged step's distinct
+        # ids too (a discard may drop the step before its commit would join the prefetch).
+        staged = self._staged.distinct if self._staged is not None else None
+        self._ahead_uses = [plan, d, want, staged, *uses]
 
     # The most SMs of a prefetch's transfer kernels (0: no cap of its own), which run beside the
     # training kernels: uncapped, they took the SMs the training kernels needed and the
@@ -385,7 +389,7 @@ class HostRows:
 
     def _join_ahead(self) -> None:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
-        or rewritten, what it read freed), and for the counting queued so far."""
+        or rewritten, what it read freed)."""
         if self._ahead_done is not None:
             if self._capturing() and not self._ahead_captured:
                 raise RuntimeError("a prefetch made outside this CUDA graph capture is still "
@@ -393,6 +397,10 @@ class HostRows:
                                    "captured step only (between its forward and step())")
             torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
         self._ahead_done, self._ahead_planned, self._ahead_uses = None, None, []
+
+    def _join_side(self) -> None:
+        """The current stream waits for the store's side work: the prefetch and the counting."""
+        self._join_ahead()
         self._join_books()
 
     @contextlib.contextmanager
@@ -403,11 +411,16 @@ class HostRows:
             yield
         if self._books is not None:
             self._books_done = self._books.record_event()
+            self._books_captured = self._capturing()
             self._books_uses.extend(used)
 
     def _join_books(self) -> None:
         """The current stream waits for the counting queued so far."""
         if self._books_done is not None:
+            if self._capturing() and not self._books_captured:
+                raise RuntimeError("counting queued outside this CUDA graph capture is still "
+                                   "pending: a graph cannot wait for it. Finish the step before "
+                                   "the capture (step() or discard())")
             torch.cuda.current_stream(self.device).wait_event(self._books_done)
         self._books_done, self._books_uses = None, []
 
@@ -423,7 +436,7 @@ class HostRows:
     def drop_prefetch(self) -> None:
         """Forget what a prefetch loaded (after its transfer, which the current stream waits
         for)."""
-        self._join_ahead()
+        self._join_side()
         if self._carry is not None:
             self._carry.loaded.zero_()
 
@@ -431,9 +444,10 @@ class HostRows:
     def commit(self) -> None:
         """Write the staged rows (updated in place) back."""
         d, buf = self._take()[:2]
+        with self.counting(d.count):  # every staged row goes straight back
+            self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False, sms=self._write_sms)
-        self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]  # every staged row goes straight back
-        self._join_ahead()
+        self._join_side()
 
     def _take(self) -> Staged:
         if self._staged is None:
@@ -444,9 +458,10 @@ class HostRows:
 
     def discard(self) -> None:
         """Forget the staged rows without writing them (a read-only forward); the current stream
-        joins the counting (a captured step's fork ends here too)."""
+        joins the prefetch's side stream and the counting (their forks inside a capture end
+        here too; the carry stays loaded)."""
         self._staged = None
-        self._join_books()
+        self._join_side()
 
     def reset(self) -> None:
         """The host table is about to be rewritten on the CPU: forget any device copy of its
@@ -658,7 +673,7 @@ class CachedRows(HostRows):
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
         ops._age_frequencies(self.freq, self._age, self.aging_steps)
         self._join()
-        self._join_ahead()
+        self._join_side()
 
     @property
     def _lane(self):

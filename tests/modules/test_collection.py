@@ -398,3 +398,61 @@ def test_a_converted_collection_reports_its_dtype_and_every_group():
     assert ebc.dtype == torch.float64
     stats = ebc.cache_stats()
     assert len([k for k in stats if k.startswith("dim4")]) == 2  # two groups, two names
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU (GPU machine)")
+def test_captured_read_only_forward_and_a_step_failing_in_a_capture(gen):
+    """On the GPU: a read-only forward of a cached collection captures (its counts join at once:
+    no fork left open) and reads the tables' rows; a step that fails inside a capture (Adagrad
+    keeps its step count on the CPU) raises its own error with every group's forward dropped,
+    so the capture ends cleanly, and the collection trains eagerly afterwards."""
+    cfgs = [so.TableConfig("a", 30, 4, pooling="none"), so.TableConfig("b", 20, 6, pooling="none")]
+    n = 5
+    lengths = torch.ones(2 * n, dtype=torch.int64, device="cuda")
+    offsets = torch.arange(2 * n + 1, device="cuda")
+
+    def kjt(values):
+        return so.KeyedJaggedTensor(["a", "b"], values, lengths=lengths, offsets=offsets,
+                                    length_per_key=[n, n])
+
+    ebc = so.HostEmbeddingCollection(cfgs, optimizer=torch.optim.SGD,
+                                     optimizer_kwargs={"lr": 0.1}, device="cuda",
+                                     cache_bytes=1 << 20, bounds_check="prechecked",
+                                     dtype=torch.float64)
+    ebc.eval()
+
+    def read(values):
+        with torch.no_grad():
+            out = ebc(kjt(values))
+        return out["a"], out["b"]
+
+    captured = so.CapturedStep(read, rows=(20,), warmup=1)
+    for _ in range(3):
+        ids = torch.randint(0, 20, (2 * n,), generator=gen)
+        a, b = captured(ids)
+        assert torch.equal(a.cpu(), ebc.table_weight("a").cpu()[ids[:n]])
+        assert torch.equal(b.cpu(), ebc.table_weight("b").cpu()[ids[n:]])
+    assert captured.graph is not None
+
+    ebc = so.HostEmbeddingCollection(cfgs, optimizer=torch.optim.Adagrad,
+                                     optimizer_kwargs={"lr": 0.1}, device="cuda",
+                                     cache_bytes=1 << 20, bounds_check="prechecked",
+                                     dtype=torch.float64)
+
+    def train(values):
+        out = ebc(kjt(values))
+        (out["a"].sum() + out["b"].sum()).backward()
+        ebc.step()
+
+    ids = torch.randint(0, 20, (2 * n,), generator=gen).cuda()
+    train(ids)  # eager: Adagrad's CPU step count is fine here
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with pytest.raises(RuntimeError, match=r"Adagrad keeps \['step'\] on the CPU"):
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            train(ids)
+    torch.cuda.current_stream().wait_stream(side)
+    before = ebc.table_weight("a").cpu().clone()
+    train(ids)
+    torch.cuda.synchronize()
+    assert not torch.equal(ebc.table_weight("a").cpu(), before)
