@@ -163,9 +163,9 @@ def _graph_settings(a, cls, kwargs: dict, device) -> tuple:
 class CollectionTraining:
     """Both tables in one ``speedtorch_ops.HostEmbeddingCollection`` (u: the centre words,
     feature "centre"; v: each centre's context and its negatives, features "context" and
-    "negatives"): one step plans both tables at once, one sort, one cache lookup, one transfer each way, one fused
-    update; their rows and optimizer state in (pinned) host memory behind one GPU row cache of
-    ``--cache-mb``. On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a
+    "negatives"): one step plans both tables at once, one sort, one cache lookup, one transfer
+    each way, one fused update; their rows and optimizer state in (pinned) host memory behind
+    one GPU row cache of ``--cache-mb``. On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a
     CUDA graph (``speedtorch_ops.CapturedStep``) that also prefetches the next batch's rows.
     `sharded`: the tables split by rows over the default process group
     (``ShardedEmbeddingBagCollection``, `exchange` its exchange)."""
