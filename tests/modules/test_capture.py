@@ -320,3 +320,35 @@ def test_upload_all_is_one_buffer_of_the_inputs(gen):
     with pytest.raises(ValueError, match="out must be the 1-D"):
         upload_all(values, torch.device("cuda"), out=flat[1:])
     assert torch.equal(flat.cpu(), torch.cat([v.reshape(-1) for v in again]))  # untouched
+
+
+class _Ring:
+    """A _PinnedRing without pinning (the CPU): buffers as they are asked for."""
+
+    def take(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+
+def test_host_ids_staged_as_they_are_or_left_to_the_general_path():
+    """CapturedStep's host ids (the CPU part, no GPU needed): ids all of one of int8, uint8,
+    int16, int32, int64 are staged as they are, in order, their shapes kept; other mixes are
+    left to the general path (None); a bad id raises naming its input and position."""
+    import numpy as np
+
+    from speedtorch_ops.capture import _HostIds
+    a = np.array([[3, 1], [0, 7]], dtype=np.int32)
+    b = torch.tensor([5, 9, 2], dtype=torch.int32)
+    staged = _HostIds.of((a, b), (8, 10), _Ring())
+    assert staged.staging.dtype == torch.int32
+    assert staged.staging.tolist() == [3, 1, 0, 7, 5, 9, 2]
+    assert [tuple(s) for s in staged.shapes] == [(2, 2), (3,)]
+    small = np.array([4, 0], dtype=np.uint8)
+    assert _HostIds.of((small,), (5,), _Ring()).staging.dtype == torch.uint8
+    assert _HostIds.of((a, b.long()), (8, 10), _Ring()) is None  # mixed dtypes
+    assert _HostIds.of((a.astype(np.uint16),), (8,), _Ring()) is None
+    assert _HostIds.of(([1, 2],), (8,), _Ring()) is None  # a list
+    assert _HostIds.of((torch.tensor([1, 2])._neg_view(),), (8,), _Ring()) is None
+    with pytest.raises(RuntimeError, match=r"ids\[1\]\[2\] = 10 is out of range"):
+        _HostIds.of((a, np.array([1, 2, 10], dtype=np.int32)), (8, 10), _Ring())
+    with pytest.raises(RuntimeError, match=r"ids\[0\]\[3\] = -1 is out of range"):
+        _HostIds.of((np.array([0, 1, 2, -1], dtype=np.int8),), (8,), _Ring())
