@@ -216,6 +216,7 @@ def host_available():
 
 def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     import speedtorch_ops as so
+    from speedtorch_ops.demo.train import set_sm_caps
     cuda = device.type == "cuda"
     need, free = a.tables * a.cap * row_bytes(a), host_available()
     print(f"ours {mode}: {need / 2**30:.2f} GiB of {'pinned ' if cuda else ''}host memory "
@@ -231,10 +232,7 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
          for k in keys], optimizer=torch.optim.Adam, optimizer_kwargs=kwargs, device=device,
         cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype,
         stochastic_rounding=a.rounding == "stochastic")
-    for cap in ("lane_sms", "write_sms"):  # the cache's SM caps, where given
-        for g in ebc.groups:
-            if getattr(a, cap) is not None and hasattr(g.store, cap):
-                setattr(g.store, cap, getattr(a, cap))
+    set_sm_caps(ebc, a)  # the cache's, where given
     if dtype != grad.dtype:  # the outputs' gradient in their dtype, the same values
         grad, fixed_grad = torch.empty_like(grad, dtype=dtype), fixed_grad.to(dtype)
     grads = list(grad.split(a.ids_per_table))

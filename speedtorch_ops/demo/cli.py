@@ -57,15 +57,16 @@ def parser() -> argparse.ArgumentParser:
     # second copy of them (the graph's own pool); a larger cache leaves the capture short of
     # a 1536 MiB budget. See docs/decisions.md, "The demo's row cache budget".
     p.add_argument("--cache-mb", type=float, default=1100,
-                   help="GPU row cache of the collection and module engines, for both tables together (rows "
-                        "with their optimizer state, and the cache's index)")
+                   help="GPU row cache of the collection and module engines, for both tables "
+                        "together (rows with their optimizer state, and the cache's index)")
     p.add_argument("--graph", choices=["auto", "on", "off"], default="auto",
-                   help="collection and module engines on a GPU: capture the whole step once in a CUDA graph and "
-                        "replay it (speedtorch_ops.CapturedStep); auto: on unless --optimizer "
-                        "adagrad (its step count stays on the CPU)")
+                   help="collection and module engines on a GPU: capture the whole step once in "
+                        "a CUDA graph and replay it (speedtorch_ops.CapturedStep); auto: on "
+                        "unless --optimizer adagrad (its step count stays on the CPU)")
     p.add_argument("--prefetch", choices=["auto", "on", "off"], default="auto",
-                   help="collection and module engines: load the next batch's rows (those the caches miss) on a "
-                        "side stream while the current batch trains (HostEmbedding.prefetch; "
+                   help="collection and module engines: load the next batch's rows (those the "
+                        "caches miss) on a side stream while the current batch trains "
+                        "(HostEmbedding.prefetch; "
                         "a captured step takes the next batch's ids as inputs); auto: on in a "
                         "captured step, else off (docs/decisions.md, 'The demo's prefetch')")
     p.add_argument("--switching", choices=["auto", "plain", "colocated", "prefetch"],

@@ -138,6 +138,16 @@ class SwitcherTraining:
         return ""
 
 
+def set_sm_caps(ebc, a) -> None:
+    """The SM caps of the collection `ebc`'s row caches (CachedRows.lane_sms, write_sms) from
+    `a.lane_sms` and `a.write_sms` where they are given (not None); groups without a cache
+    have none."""
+    for cap in ("lane_sms", "write_sms"):
+        for g in ebc.groups:
+            if getattr(a, cap, None) is not None and hasattr(g.store, cap):
+                setattr(g.store, cap, getattr(a, cap))
+
+
 def _graph_settings(a, cls, kwargs: dict, device) -> tuple:
     """(captured, prefetching) for --graph and --prefetch with optimizer `cls`; sets
     ``capturable`` in `kwargs` where a captured step needs it."""
@@ -191,10 +201,7 @@ class CollectionTraining:
         bound = 0.5 / a.dim
         self.ebc.reset_parameters({"u": lambda w: so.fill_random_(w, "uniform", -bound, bound),
                                    "v": lambda w: so.fill_random_(w, "normal", 0.0, bound)})
-        for cap in ("lane_sms", "write_sms"):  # the cache's SM caps, where a bench sets them
-            for g in self.ebc.groups:
-                if getattr(a, cap, None) is not None and hasattr(g.store, cap):
-                    setattr(g.store, cap, getattr(a, cap))
+        set_sm_caps(self.ebc, a)  # where a bench sets them
         self._captured = None
         self._jagged: dict = {}  # (batch, negatives, device) -> the jagged batch's lengths
 

@@ -390,13 +390,20 @@ class HostRows:
     def _join_ahead(self) -> None:
         """The current stream waits for the last prefetch's transfer (its carry may then be read
         or rewritten, what it read freed)."""
-        if self._ahead_done is not None:
-            if self._capturing() and not self._ahead_captured:
-                raise RuntimeError("a prefetch made outside this CUDA graph capture is still "
-                                   "loading: a graph cannot wait for it. Prefetch inside the "
-                                   "captured step only (between its forward and step())")
-            torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
+        self._wait(self._ahead_done, self._ahead_captured,
+                   "a prefetch made outside this CUDA graph capture is still loading",
+                   "Prefetch inside the captured step only (between its forward and step())")
         self._ahead_done, self._ahead_planned, self._ahead_uses = None, None, []
+
+    def _wait(self, event, captured: bool, pending: str, remedy: str) -> None:
+        """The current stream waits for `event` (None: nothing to wait for), recorded inside a
+        CUDA graph capture when `captured`; inside a capture an event from outside it raises
+        (a graph cannot wait for it): `pending` says what, `remedy` what to do."""
+        if event is None:
+            return
+        if self._capturing() and not captured:
+            raise RuntimeError(f"{pending}: a graph cannot wait for it. {remedy}")
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def _join_side(self) -> None:
         """The current stream waits for the store's side work: the prefetch and the counting."""
@@ -416,12 +423,9 @@ class HostRows:
 
     def _join_books(self) -> None:
         """The current stream waits for the counting queued so far."""
-        if self._books_done is not None:
-            if self._capturing() and not self._books_captured:
-                raise RuntimeError("counting queued outside this CUDA graph capture is still "
-                                   "pending: a graph cannot wait for it. Finish the step before "
-                                   "the capture (step() or discard())")
-            torch.cuda.current_stream(self.device).wait_event(self._books_done)
+        self._wait(self._books_done, self._books_captured,
+                   "counting queued outside this CUDA graph capture is still pending",
+                   "Finish the step before the capture (step() or discard())")
         self._books_done, self._books_uses = None, []
 
     def counters(self) -> Tensor:
