@@ -31,8 +31,10 @@ in turn (theirs interleave the two systems step by step).
   captured-prefetch: captured, each step also prefetching the next batch's rows (the batches
   cycle), as a training pipeline that knows its next batch can.
 
-Output: a table, --out JSON (per run: mean / median / p90 ms, the hit rate over the timed steps,
-ours_over_baseline = our ms / the baseline's; the published H100 numbers), --plot PNG.
+Output: a table, --out JSON (per run: mean / median / p90 ms and each timed step's, the hit rate
+over the timed steps beside the best static cache's (each table's most drawn rows, as many as
+ours holds), ours_over_baseline = our ms / the baseline's; the published H100 numbers), --plot
+PNG; with --profile DIR, a torch.profiler table and chrome trace of 3 more steps a run.
 
     python bench/bdet.py --cap 1677721 --out bench/results/bdet-cap1.7M.json \\
         --plot bench/results/bdet-cap1.7M.png
@@ -157,11 +159,13 @@ def selfcheck(device, steps=5):
     print(f"selfcheck on {device}: {steps} baseline steps equal float64 lazy Adam")
 
 
-def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None, label=""):
+def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None, label="",
+                after_step=lambda: None):
     """--warmup steps with an all-ones output gradient, after_warmup(), then --steps with the
-    fixed one: ms of each of those alone (CUDA events; perf_counter on the CPU). With
-    --profile DIR, three more steps under torch.profiler: DIR/<label>.txt, the kernels and
-    phases by GPU time."""
+    fixed one: ms of each of those alone (CUDA events; perf_counter on the CPU), after_step()
+    after each (outside the timing). With --profile DIR, the last three batches again under
+    torch.profiler: DIR/<label>.txt, the kernels and phases by GPU time, and <label>.json, their
+    chrome trace."""
     cuda = device.type == "cuda"
     grad.fill_(1)
     for i in range(a.warmup):
@@ -183,18 +187,21 @@ def timed_steps(step, a, grad, fixed_grad, device, after_warmup=lambda: None, la
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+        after_step()
     if a.profile and cuda:
         os.makedirs(a.profile, exist_ok=True)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
-            for i in range(3):
+            for i in range(max(a.steps - 3, 0), a.steps):
                 step(i)
                 torch.cuda.synchronize()
         with open(os.path.join(a.profile, f"{label}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60,
                                               max_name_column_width=70))
+        prof.export_chrome_trace(os.path.join(a.profile, f"{label}.json"))
     return {"mean_ms": statistics.fmean(times), "median_ms": statistics.median(times),
-            "p90_ms": float(np.percentile(times, 90)), "steps": len(times)}
+            "p90_ms": float(np.percentile(times, 90)), "steps": len(times),
+            "times_ms": [round(t, 4) for t in times]}
 
 
 def run_baseline(a, ids, grad, fixed_grad, device):
@@ -263,17 +270,29 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
                                    rows=(a.cap, a.cap))
         step = lambda i: captured(ids[i], ids[(i + 1) % a.steps])  # noqa: E731
     marks = []  # the counts after the warm-up, whose lookups stay out of the hit rate
+    counts = ("host_loads", "evictions", "direct_writebacks")
+    per_step = {k: [] for k in counts}  # with --per-step: each timed step's
+
+    def count_step():
+        if a.per_step and cuda:
+            now = ebc.cache_stats()["total"]
+            for k in counts:
+                per_step[k].append(now[k] - marks[-1][k])
+            marks.append(now)
+
     result = timed_steps(step, a, grad, fixed_grad, device,
                          lambda: marks.append(ebc.cache_stats()["total"]),
-                         label=f"ours-{mode}-cfr{cache_bytes}")
+                         label=f"ours-{mode}-cfr{cache_bytes}", after_step=count_step)
+    if a.per_step and cuda:
+        result["counts_per_step"] = per_step
     after = ebc.cache_stats()["total"]
-    lookups = after["lookups"] - marks[0]["lookups"]
+    lookups = after["lookups"] - marks[0]["lookups"]  # from the warm-up's end
     hit = (after["hits"] - marks[0]["hits"]) / lookups if cuda and lookups else None
     # Per step (the timed ones and the profiled, if any): rows that crossed the host link.
     steps = result["steps"] + (3 if a.profile and cuda else 0)
     moved = {k: (after[k] - marks[0][k]) / steps for k in (
-        "host_loads", "prefetched_loads", "prefetched_rows", "evictions", "direct_writebacks",
-        "host_bytes")}
+        "host_loads", "prefetched_loads", "deferred_loads", "prefetched_rows", "evictions",
+        "direct_writebacks", "host_bytes")}
     return {**result, "hit_rate": hit, "per_step": moved}
 
 
@@ -284,18 +303,29 @@ def row_bytes(a) -> int:
 
 def cache_plan(a, ids):
     """Each table's distinct ids over the batches, the mean distinct ids a step (all tables:
-    their Avg N_unique), and per cfr our cache rows a table and budget."""
+    their Avg N_unique), and per cfr our cache rows a table and budget, and the hit rate of the
+    best static cache of as many rows (each table's most drawn rows over the batches, ties in
+    row order; the share of a step's distinct ids it holds, as our hit rate counts)."""
     per = ids.view(a.steps, a.tables, a.ids_per_table)
-    distinct = [int(per[:, t].unique().numel()) for t in range(a.tables)]
-    step_distinct = statistics.fmean(sum(int(per[i, t].unique().numel()) for t in range(a.tables))
-                                     for i in range(a.steps))
+    steps = [[per[i, t].unique() for i in range(a.steps)] for t in range(a.tables)]
+    distinct = [int(torch.cat(steps[t]).unique().numel()) for t in range(a.tables)]
+    lookups = sum(u.numel() for rows in steps for u in rows)
+    step_distinct = lookups / a.steps
     plans = {}
     if "ours" in a.systems:
         from speedtorch_ops.training.cache import CachedRows
+        drawn = [torch.bincount(per[:, t].flatten(), minlength=a.cap) for t in range(a.tables)]
         for cfr in a.cfr:
             rows = [a.cap] * a.tables if cfr == "all" else [int(float(cfr) * d) for d in distinct]
+            hits = 0
+            for t, r in enumerate(rows):
+                held = torch.zeros(a.cap, dtype=torch.bool, device=ids.device)
+                held[torch.sort(drawn[t], descending=True, stable=True).indices[:r]] = True
+                hits += sum(int(held[u].sum()) for u in steps[t])
             plans[cfr] = {"cache_rows_per_table": rows, "cache_bytes": sum(
-                r * row_bytes(a) + CachedRows.index_bytes(a.cap) for r in rows)}
+                r * row_bytes(a) + CachedRows.index_bytes(a.cap) for r in rows),
+                "static_hit_rate": hits / lookups}
+        del drawn
     return distinct, step_distinct, plans
 
 
@@ -358,7 +388,11 @@ def main():
                         "the store's)")
     p.add_argument("--out", help="JSON path")
     p.add_argument("--plot", help="PNG path")
-    p.add_argument("--profile", help="a folder for torch.profiler tables of 3 steps a run")
+    p.add_argument("--profile", help="a folder for torch.profiler tables and chrome traces of 3 "
+                                     "steps a run")
+    p.add_argument("--per-step", action="store_true",
+                   help="ours: also each timed step's host loads, evictions and direct "
+                        "write-backs (read between steps, outside the timing)")
     p.add_argument("--selfcheck", action="store_true",
                    help="the baseline's steps against float64 lazy Adam on tiny tables: on the "
                         "CPU, and through the graph on --device when it is a GPU")
@@ -388,7 +422,9 @@ def main():
         except Exception as error:  # noqa: BLE001 - the other runs still report
             traceback.print_exc()
             record["error"] = f"{type(error).__name__}: {error}"
-        print({k: v for k, v in record.items() if k != "cache_rows_per_table"}, flush=True)
+        print({k: v for k, v in record.items()
+               if k not in ("cache_rows_per_table", "times_ms", "counts_per_step")},
+              flush=True)
         runs.append(record)
         gc.collect()  # this run's tables go before the next one's come
         if device.type == "cuda":
@@ -410,7 +446,7 @@ def main():
     base = next((r["mean_ms"] for r in runs if r["system"] == "baseline" and "mean_ms" in r),
                 None)
     print(f"{'system':>8} {'mode':>8} {'cfr':>4} {'mean ms':>8} {'median':>8} {'p90':>8} "
-          f"{'hit':>6} {'/ base':>7}")
+          f"{'hit':>6} {'static':>6} {'/ base':>7}")
     for r in runs:
         head = f"{r['system']:>8} {r['mode']:>8} {r.get('cfr', '-'):>4}"
         if "mean_ms" not in r:
@@ -421,6 +457,7 @@ def main():
         nan = float("nan")
         print(f"{head} {r['mean_ms']:>8.3f} {r['median_ms']:>8.3f} {r['p90_ms']:>8.3f} "
               f"{r.get('hit_rate') if r.get('hit_rate') is not None else nan:>6.3f} "
+              f"{r.get('static_hit_rate', nan):>6.3f} "
               f"{r.get('ours_over_baseline', nan):>7.2f}")
     result = {"benchmark": "dynamicemb BatchedDynamicEmbeddingTables, Adam, pool none",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

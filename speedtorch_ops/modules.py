@@ -923,8 +923,10 @@ class _HostRowsModule(nn.Module):
         cache hits, rows taken from the host (misses; lookups = hits + host loads), of which a
         ``prefetch`` had loaded ahead, rows prefetches loaded (taken or not), rows written back
         from the cache to make room (a read-only forward's too, whose rows stay cached; counted
-        once its step commits or is discarded), misses written straight back; the hit rate;
-        bytes moved over the host link."""
+        once its step commits or is discarded), misses not admitted to the cache (written back
+        by the next step, or a flush), of the misses those the step before had not admitted
+        (``deferred_loads``: their values come from the GPU's copy); the hit rate; bytes moved
+        over the host link."""
         counts = self.store.counters().tolist()
         out = {stat.name.lower(): int(counts[stat]) for stat in Stat}
         moved = (out["host_loads"] - out["prefetched_loads"] + out["prefetched_rows"]

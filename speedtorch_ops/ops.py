@@ -210,8 +210,8 @@ def _admission(ids: Tensor, first: Tensor, victims: Tensor, cold: Tensor, misses
                freq: Tensor, id_of: Tensor, by_frequency: bool):
     """(admit, keys, evicted) for the misses at positions ``first`` of ``ids`` paired with the
     slots ``victims`` (priorities ``cold``): ``admit[j]`` for the first ``misses`` (one int64)
-    whose victim's slot is free to take (finite ``cold``) and, ``by_frequency``, used no more
-    often than the miss; ``keys[j]`` the row the victim's slot held (``id_of``) when it is
+    whose victim's slot is free to take (finite ``cold``) and, ``by_frequency``, used less often
+    than the miss (a tie keeps the cached row); ``keys[j]`` the row the victim's slot held (``id_of``) when it is
     evicted, else ``len(freq)``; ``evicted`` how many (one int64)."""
     return _ops._admission.default(ids, first, victims, cold, misses, freq, id_of, by_frequency)
 

@@ -137,7 +137,7 @@ __global__ void admission_kernel(const int64_t* ids, int64_t n, const int64_t* f
     const int64_t at = first[j], v = victims[j];
     const int64_t row = at >= 0 && at < n ? ids[at] : -1;
     bool yes = j < m && isfinite(cold[j]) && row >= 0 && row < rows && v >= 0 && v < slots;
-    if (yes && by_frequency) yes = freq[row] >= cold[j];
+    if (yes && by_frequency) yes = freq[row] > cold[j];
     const int64_t old = yes ? id_of[v] : -1;
     const bool evict = old >= 0 && old < rows;
     admit[j] = yes;

@@ -44,10 +44,10 @@ cudaError_t launch_coldest_slots(void* temp, size_t* temp_bytes, const int64_t* 
                                  uint32_t* keys_out, int64_t* cand_in, int64_t* cand_out,
                                  int64_t* victims, float* cold, cudaStream_t stream);
 
-// For j < k: admit[j] = j < *misses, cold[j] finite and (unless !by_frequency) freq[r] >=
-// cold[j] for the miss r = ids[first[j]]; the row held by victims[j] (old) is evicted when admit[j]
-// and old is a row: keys[j] = old, else rows; *evicted counts the evicted (zeroed by the
-// caller). Entries out of range are not admitted.
+// For j < k: admit[j] = j < *misses, cold[j] finite and (unless !by_frequency) freq[r] >
+// cold[j] for the miss r = ids[first[j]] (a tie keeps the row cached); the row held by
+// victims[j] (old) is evicted when admit[j] and old is a row: keys[j] = old, else rows;
+// *evicted counts the evicted (zeroed by the caller). Entries out of range are not admitted.
 cudaError_t launch_admission(const int64_t* ids, int64_t n, const int64_t* first,
                              const int64_t* victims, const float* cold, int64_t k,
                              const int64_t* misses, const float* freq, const int64_t* id_of,

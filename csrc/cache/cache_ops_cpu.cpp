@@ -220,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> admission_cpu(
     const int64_t row = pos[j] >= 0 && pos[j] < n ? id[pos[j]] : -1;
     bool ok = j < m && std::isfinite(c[j]) && row >= 0 && row < rows && vic[j] >= 0 &&
               vic[j] < slots;
-    if (ok && by_frequency) ok = f[row] >= c[j];
+    if (ok && by_frequency) ok = f[row] > c[j];
     const int64_t old = ok ? held[vic[j]] : -1;
     const bool evict = old >= 0 && old < rows;
     yes[j] = ok;

@@ -18,16 +18,19 @@ The cache (``CachedRows``):
 - a miss is admitted when a slot not used by this step, among the step's candidates (the next
   slots of a cyclic hand: ``CachedRows.victim_sample``), holds a row accessed less often (or
   nothing; ``admission="always"``: whatever that slot holds); the evicted row is written back
-  to the host (every cached row has been trained, so every cached row is dirty). A miss that is
-  not admitted is written back at commit.
+  to the host (every cached row has been trained, so every cached row is dirty). A tie keeps the
+  cached row: a row seen once does not push out another seen once, which would miss again when
+  its turn came (docs/decisions.md, "Admission by frequency"). A miss that is not admitted is
+  kept on the device by the commit (``Deferred``) and written back by the next stage, on the
+  lane, which takes from there the misses it stages again; a flush writes them too.
 The map and the frequencies cost 8 bytes per table row (counted in the budget).
 
-The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage, once the lookup is
-done, the victims are chosen and their rows written back on it while the stage copies the hits
-and loads the misses (on the current stream, which needs them next) and the step trains
-(another table stages, the forward, the backward and the update run); at commit the misses not
-admitted go back on it while the cache and its map take the step's rows, and the current stream
-joins it before commit returns, so a captured step (CUDA graph) holds the fork and the join.
+The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage it writes back the
+misses the last commit kept, and once the lookup is done the victims are chosen and their rows
+written back on it, while the stage copies the hits and loads the misses (on the current
+stream, which needs them next: the link's other direction) and the step trains (another table
+stages, the forward, the backward and the update run); the commit joins it before the cache
+and its map take the step's rows, so a captured step (CUDA graph) holds the fork and the join.
 Its transfer kernels, and a stage's miss loads and the prefetch's, use at most ``lane_sms``
 SMs (loads) and ``write_sms`` (write-backs), so the training kernels keep the rest
 (docs/decisions.md, "The row cache's lane").
@@ -140,8 +143,10 @@ def _among(ids: Tensor, of: "Distinct") -> Tensor:
 class Stat(IntEnum):
     """The counters of a store's ``stats`` (one int64 tensor on its device, so the replays of a
     captured step count too), since construction: distinct rows looked up, cache hits, rows a
-    stage took from the host (misses; now or ahead), rows evicted from the cache, misses written
-    straight back, the misses a prefetch had loaded, rows prefetches loaded (taken or not)."""
+    stage took from the host (misses; now, ahead, or kept by the last commit), rows evicted from
+    the cache, misses not admitted (written back by the next stage), the misses a prefetch had
+    loaded, rows prefetches loaded (taken or not), the misses whose values came from the rows
+    the last commit kept on the device (over what the stage loaded for them)."""
     LOOKUPS = 0
     HITS = 1
     HOST_LOADS = 2
@@ -149,6 +154,7 @@ class Stat(IntEnum):
     DIRECT_WRITEBACKS = 4
     PREFETCHED_LOADS = 5
     PREFETCHED_ROWS = 6
+    DEFERRED_LOADS = 7
 
 
 class Victims(NamedTuple):
@@ -187,6 +193,18 @@ class Carry:
         self.buf = buf
         self.ids = torch.full((n,), -1, dtype=torch.int64, device=buf.device)
         self.loaded = torch.zeros(n, dtype=torch.bool, device=buf.device)
+
+
+class Deferred(NamedTuple):
+    """The misses a commit did not admit, kept on the device until the next stage writes them
+    back: their rows (``buf``: parts, size, *row), their ids ascending, then the map's spare
+    entry (``rows``), how many (``count``, one int64), ``positions`` (0..size-1) and the codes
+    the map holds for them (``codes``: -2 - position, int32)."""
+    buf: Tensor
+    rows: Tensor
+    count: Tensor
+    positions: Tensor
+    codes: Tensor
 
 
 class HostRows:
@@ -312,7 +330,8 @@ class HostRows:
         return take
 
     def _cached(self, ids: Tensor) -> Optional[Tensor]:
-        """Whether each row of `ids` is held on the device (None: this store holds none)."""
+        """Whether each row of `ids` is held on the device, so that the host's copy may be
+        stale (None: this store holds none)."""
         return None
 
     @_phase
@@ -499,8 +518,15 @@ class CachedRows(HostRows):
 
     def __init__(self, host: Tensor, device: torch.device, slots: int, aging_steps: int = 256,
                  overlap: bool = True, lane_sms: int = _LANE_SMS, write_sms: int = _WRITE_SMS,
-                 admission: str = "frequency"):
+                 admission: str = "frequency", defer: Optional[bool] = None):
         super().__init__(host, device)
+        # Whether a commit keeps the misses it does not admit on the device for the next stage
+        # to write back beside its own work (Deferred), or writes them back itself and waits.
+        # Keeping them costs a dozen small kernels a step whatever the misses: by default only
+        # a cache smaller than its table does, where misses are refused every step; a cache of
+        # every row refuses few (docs/decisions.md, "Admission by frequency"). May change
+        # between steps, before a capture.
+        self.defer = slots < host.shape[0] if defer is None else bool(defer)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
         # "always" writes every admitted miss's victim back at stage (beside the training
@@ -541,6 +567,10 @@ class CachedRows(HostRows):
         # Where the next step's victim candidates start (see victim_sample), on the device.
         self._hand = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._last_lookup: Optional[tuple] = None  # the last stage's slots, for last_hits
+        # The misses the last commit did not admit (_defer), and earlier such buffers a
+        # captured step may still name (a graph keeps the addresses it captured).
+        self._deferred: Optional[Deferred] = None
+        self._retired: list = []
 
     @property
     def admission(self) -> str:
@@ -550,8 +580,8 @@ class CachedRows(HostRows):
     def admission(self, admission: str) -> None:
         if admission not in ("frequency", "always"):
             raise ValueError("CachedRows: admission must be 'frequency' (a miss takes its victim's "
-                             "slot when used at least as often) or 'always' (every miss that "
-                             f"finds an unused slot takes it), got {admission!r}")
+                             "slot when used more often) or 'always' (every miss that finds an "
+                             f"unused slot takes it), got {admission!r}")
         self._admission = admission
 
     @staticmethod
@@ -562,16 +592,23 @@ class CachedRows(HostRows):
     def cached_bytes(self) -> int:
         return (self.cache.nbytes + self.slot_of.nbytes + self.id_of.nbytes + self.freq.nbytes)
 
-    def _cached(self, ids: Tensor) -> Tensor:
-        return self.slot_of[ids] >= 0
+    def _cached(self, ids: Tensor) -> Tensor:  # in a slot, or kept by the last commit
+        return self.slot_of[ids] != -1
 
     @_phase
     def stage(self, plan: Plan, spare: int = 0, direct: bool = False,
               weights: Optional[int] = None) -> tuple:
         self._join()  # a step's transfers are done before the next one stages
         d = self._begin_stage(plan)
+        # The misses the last commit kept go back first, on the lane: nothing of this step's
+        # is needed for that, and the stage below takes the ones it stages again.
+        kept = self._deferred
+        if kept is not None:
+            with self._on_lane():
+                self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count,
+                           load=False, sms=self._write_sms)
         # Hits from the cache (every other entry names the slot past its end), misses from the
-        # host or the carry; the lookup counts each id's use.
+        # host, the carry or the kept misses; the lookup counts each id's use.
         at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, self.slots)
         order, misses = ops._partition(miss)  # misses first, ascending
         with self.counting(d.count, misses):
@@ -603,9 +640,65 @@ class CachedRows(HostRows):
                        sms=self._lane_sms)
         else:
             self._load(buf, d, miss & ~carried, sms=self._lane_sms)
+        self._take_deferred(buf, d)
         self._staged = Staged(d, buf, at, order, misses, victims, direct)
         self._last_lookup = (at, d.valid)  # see last_hits (made when asked for)
         return buf, d
+
+    def _take_deferred(self, buf: Tensor, d: Distinct) -> None:
+        """Copy the staged rows the last commit kept (not admitted) into `buf` on the device,
+        over what the stage loaded for them from the host, where their write-back (queued on the
+        lane, reading the same kept rows) may not have landed yet. The map names a kept row's
+        place in the kept rows: -2 - place."""
+        kept = self._deferred
+        if kept is None:
+            return
+        at = (-2 - self.slot_of[d.ids]).long()  # a place, or negative: nothing to take
+        ops._take_rows(buf, kept.buf, at, d.count)
+        with self.counting(at):
+            self.stats[Stat.DEFERRED_LOADS] += ((at >= 0) & d.valid).sum()
+
+    def _unmark_deferred(self) -> None:
+        """The map forgets the kept rows (written back, taken by the stage that used them):
+        before the commit admits any of them to a slot."""
+        if self._deferred is not None:
+            self.slot_of.index_fill_(0, self._deferred.rows, -1)
+
+    def _defer(self, buf: Tensor, d: Distinct, back: Tensor, rows: Tensor,
+               count: Tensor) -> None:
+        """Keep the staged rows at positions `back[:count]` (ids `rows`, ascending) on the
+        device for the next stage to write back (``Deferred``), and mark them in the map; the
+        lane has written the last ones (the commit joined it) and the map no longer names
+        them (_unmark_deferred)."""
+        n = d.n
+        kept = self._deferred
+        if kept is None or kept.rows.numel() < n:  # grown, never shrunk: a graph keeps its own
+            if kept is not None and self._graphed:
+                self._retired.append(kept)
+            size = max(n, 1)
+            positions = torch.arange(size, device=self.device)
+            kept = Deferred(self._buffer(size),
+                            torch.full((size,), self.slot_of.numel() - 1, dtype=torch.int64,
+                                       device=self.device),
+                            torch.zeros(1, dtype=torch.int64, device=self.device), positions,
+                            (-2 - positions).int())
+            self._deferred = kept
+        live = d.positions < count
+        # Past the count: the map's spare entry (no table row), which they leave at -1; so are
+        # the places past this step's (a larger step's rows, unmarked already).
+        spare = self.slot_of.numel() - 1
+        kept.rows[:n].copy_(torch.where(live, rows, spare))
+        if kept.rows.numel() > n:
+            kept.rows[n:].fill_(spare)
+        self.slot_of.index_put_((kept.rows[:n],), torch.where(live, kept.codes[:n], -1))
+        ops._take_rows(kept.buf, buf, back, count)
+        kept.count.copy_(count)
+
+    def _forget_deferred(self) -> None:
+        """No row is kept any more (written back, or the host table is being replaced)."""
+        if self._deferred is not None:
+            self._unmark_deferred()
+            self._deferred.count.zero_()
 
     def last_hits(self) -> Optional[Tensor]:
         if self._last_lookup is None:
@@ -622,8 +715,8 @@ class CachedRows(HostRows):
     @_phase
     def _evict(self, d: Distinct, at: Tensor, order: Tensor, misses: Tensor) -> Victims:
         """Choose the slots the misses take: the least-frequently used slots this step does not
-        use, the coldest for the first misses; a miss is admitted when its row is accessed at
-        least as often as its victim's (``admission="always"``: whenever such a slot is left).
+        use, the coldest for the first misses; a miss is admitted when its row is accessed more
+        often than its victim's (``admission="always"``: whenever such a slot is left).
         The victims' rows (final: this step does not use them) go back to the host (queued on
         the lane, beside the step's training kernels); their slots are overwritten at commit,
         after the lane joins."""
@@ -634,8 +727,7 @@ class CachedRows(HostRows):
         victims, cold = ops._coldest_slots(self.id_of, self.freq, at, k, self._hand, window)
         first = order[:k]  # the staged positions of the misses (ascending), then the rest
         # A miss takes a slot this step does not use (finite priority), with "frequency" only
-        # one whose row is used at most as often as the miss; the rows such slots held are
-        # evicted.
+        # one whose row is used less often than the miss; the rows such slots held are evicted.
         admit, keys, evicted = ops._admission(d.ids, first, victims, cold, misses, self.freq,
                                               self.id_of, self.admission == "frequency")
         # Evicted rows in address order (the others' keys, len(freq), sort last).
@@ -651,27 +743,34 @@ class CachedRows(HostRows):
         with self.counting(evicted):
             self.stats[Stat.EVICTIONS] += evicted[0]
         k = first.numel()
-        # Misses not admitted go straight back to the host, on the lane while the cache and its
-        # map take the step's rows (no row is in both).
+        # Misses not admitted: with ``defer`` they stay on the device and the next stage writes
+        # them back on its lane, beside its loads and training (_defer); else they go back now,
+        # on the lane while the cache and its map take the step's rows (no row is in both).
         rest = (d.positions < misses)
         rest[:k] &= ~admit
         take, rest_count = ops._partition(rest)
         back = order[take]
         rest_rows = d.ids[back]
-        with self._on_lane():
-            self._move(buf.unbind(0), rest_rows, back, rest_count, load=False,
-                       sms=self._write_sms)
-            self._lane_done = self._lane_event()
-        self._lane_uses = [buf, rest_rows, back, rest_count]
+        if not self.defer:
+            with self._on_lane():
+                self._move(buf.unbind(0), rest_rows, back, rest_count, load=False,
+                           sms=self._write_sms)
+                self._lane_done = self._lane_event()
+            self._lane_uses = [buf, rest_rows, back, rest_count]
         # The map takes the admitted misses. Each staged row's slot: hits their own, admitted
         # misses their victim's, the rest none (the slot past the cache: not moved); one call
         # puts them all back.
         if self._ahead_planned is not None:  # a prefetch reads the map as it was (prefetch)
             torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
+        self._unmark_deferred()
         dest = ops._cache_admit(self.slot_of, self.id_of, d.ids, at, first, victims, admit)
         if direct:  # the hits were updated in their slots: only admitted misses move
             dest = torch.where(at < self.slots, self.slots, dest)
         ops._put_rows(self.cache, buf, dest, d.count)
+        if self.defer:
+            self._defer(buf, d, back, rest_rows, rest_count)
+        elif self._deferred is not None:  # kept while deferring, written back at this stage
+            self._deferred.count.zero_()
         with self.counting(rest_count):
             self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).
@@ -712,7 +811,8 @@ class CachedRows(HostRows):
 
     def discard(self) -> None:
         """Forget the staged rows (a read-only forward): the rows evicted at stage were written
-        back but keep their slots, so the cache and the host agree on them."""
+        back but keep their slots, so the cache and the host agree on them; so were the misses
+        the last commit kept, which stay kept (the next stage writes the same values again)."""
         self._drop_staged()
         super().discard()
 
@@ -732,6 +832,7 @@ class CachedRows(HostRows):
         super().reset()
         self.slot_of.fill_(-1)
         self.id_of.fill_(-1)
+        self._forget_deferred()
 
     def flush(self) -> None:
         """Write every cached row to the host table (it is then complete); the rows stay cached.
@@ -742,6 +843,12 @@ class CachedRows(HostRows):
         rows, order = torch.sort(key)
         count = (ids >= 0).sum().view(1)
         self._move(self.cache.unbind(0), rows, order, count, load=False)
+        kept = self._deferred
+        if kept is not None:  # the misses the last commit kept, then none
+            self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count, load=False)
+            if self._ahead_planned is not None:  # a prefetch reads their key (prefetch)
+                torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
+            self._forget_deferred()
         wait_for(self.device)  # the host reads the table next
 
 

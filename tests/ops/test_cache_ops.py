@@ -315,7 +315,7 @@ def test_admission(device, n, k, misses, by_frequency):
         miss = int(ids[first[j]])
         ok = j < misses and np.isfinite(float(cold[j]))
         if ok and by_frequency:
-            ok = float(freq[miss]) >= float(cold[j])
+            ok = float(freq[miss]) > float(cold[j])  # a tie keeps the cached row
         want_admit[j] = ok
         if ok and int(id_of[victims[j]]) >= 0:
             want_keys[j] = int(id_of[victims[j]])

@@ -27,6 +27,12 @@ def check_map(store: CachedRows) -> None:
     assert torch.equal(slot_of[ids[held]].long(), held)          # each slot's row maps back
     assert int((slot_of >= 0).sum()) == held.numel()              # and nothing else is mapped
     assert len(set(ids[held].tolist())) == held.numel()           # a row in one slot at most
+    # The rows the last commit kept (not admitted) are marked -2 - their place, and only they.
+    kept = store._deferred
+    marked = {r: -2 - int(slot_of[r]) for r in (slot_of <= -2).nonzero().view(-1).tolist()}
+    want = {} if kept is None else {int(r): j for j, r in enumerate(
+        kept.rows[:int(kept.count)].tolist())}
+    assert marked == want
 
 
 @pytest.mark.parametrize("device,overlap", LANES)
@@ -34,7 +40,9 @@ def check_map(store: CachedRows) -> None:
 @pytest.mark.parametrize("slots", [3, 12, 30])
 @pytest.mark.parametrize("admission", ["frequency", "always"])
 @pytest.mark.parametrize("sample", [None, 1])  # 1: victims from a window of 2k slots
-def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, sample, gen):
+@pytest.mark.parametrize("defer", [None, False])  # None: misses not admitted kept a step
+def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission, sample, defer,
+                                          gen):
     cls, kwargs = OPTIMIZERS[opt]
     init = torch.randn(40, 5, dtype=torch.float64, generator=gen)
     plain = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
@@ -42,7 +50,7 @@ def test_small_caches_train_like_no_cache(device, overlap, opt, slots, admission
     cached = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=cls, optimizer_kwargs=kwargs,
                                               device=device)
     cached.store = CachedRows(cached.host, torch.device(device), slots, aging_steps=3,
-                              overlap=overlap, admission=admission)
+                              overlap=overlap, admission=admission, defer=defer)
     if sample is not None:
         cached.store.victim_sample = sample
     discarded = {"host_loads": 0, "evictions": 0}
@@ -127,6 +135,63 @@ def test_admission_rules(device, admission):
     assert (stats["direct_writebacks"], stats["evictions"]) == ((1, 0) if kept else (0, 1))
     with pytest.raises(ValueError, match="admission"):
         emb.store.admission = "lru"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("between", ["nothing", "prefetch", "read-only forward", "flush",
+                                     "not deferring"])
+def test_kept_misses(device, between, gen):
+    """A miss the frequency rule does not admit stays on the device after its commit: the next
+    stage writes it back and takes it from there when it uses the row again (no host load), a
+    prefetch leaves it alone (the host's copy is stale until then), a read-only forward between
+    reads the kept values, and a flush writes it out; all train exactly like a module without a
+    cache (float64, Adam, whose state moves with the row)."""
+    dev = torch.device(device)
+    init = torch.randn(10, 4, dtype=torch.float64, generator=gen)
+    plain, cached = (so.HostEmbedding.from_pretrained(
+        init, freeze=False, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1},
+        device=device) for _ in range(2))
+    cached.store = CachedRows(cached.host, dev, 1)
+    assert cached.store.defer  # a cache smaller than its table keeps its refused misses
+
+    def step(ids):
+        for emb in (plain, cached):
+            emb(torch.tensor(ids, device=device)).pow(2).sum().backward()
+            if emb is cached and between == "prefetch":
+                emb.prefetch(torch.tensor([5, 6], device=device))
+            emb.step()
+
+    for ids in ([0, 0, 0], [0], [7, 8, 9], [0, 0], [5]):  # row 0 holds the slot; 5 is kept
+        step(ids)
+        check_map(cached.store)
+    assert int(cached.store.id_of[0]) == 0
+    assert cached.cache_stats()["direct_writebacks"] == 4  # 7, 8 and 9 (used once each), 5
+    if between == "prefetch":  # between steps too: the carry must not take 5 from the host
+        cached.prefetch(torch.tensor([5, 6], device=device))
+    elif between == "read-only forward":
+        with torch.no_grad():
+            assert torch.equal(cached(torch.tensor([5, 6], device=device)),
+                               plain(torch.tensor([5, 6], device=device)))
+    elif between == "not deferring":  # those kept are written back by the next stage
+        cached.store.defer = False
+    elif between == "flush":
+        cached.flush()
+        host = cached.layout.of_table(cached.host, "weight")  # the host's copy, as it is
+        assert torch.equal(host[5].cpu(), plain.weight.detach()[5].cpu())
+    step([5, 6])  # 5 comes from the kept rows, or the host after a flush
+    stats = cached.cache_stats()
+    if between == "prefetch":  # 5 and 6 four times, 6 (5 staged), 6 (5 kept), none (staged)
+        assert stats["prefetched_rows"] == 10
+    # The read-only forward took 5 from the kept rows too (and wrote them back, unchanged).
+    assert stats["deferred_loads"] == {"flush": 0, "read-only forward": 2}.get(between, 1)
+    if between == "not deferring":  # 5 and 6 refused, written back by the commit: none kept
+        assert int(cached.store._deferred.count) == 0
+    assert stats["host_bytes"] == cached.row_bytes * (
+        stats["host_loads"] - stats["prefetched_loads"]
+        + stats["prefetched_rows"] + stats["evictions"] + stats["direct_writebacks"])
+    for key, value in plain.state_dict().items():  # state_dict flushes the kept rows
+        assert torch.equal(cached.state_dict()[key], value), key
+    check_map(cached.store)
 
 
 @pytest.mark.parametrize("name", ["lane_sms", "write_sms"])
