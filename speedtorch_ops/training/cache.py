@@ -567,10 +567,8 @@ class CachedRows(HostRows):
         # Where the next step's victim candidates start (see victim_sample), on the device.
         self._hand = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._last_lookup: Optional[tuple] = None  # the last stage's slots, for last_hits
-        # The misses the last commit did not admit (_defer), and earlier such buffers a
-        # captured step may still name (a graph keeps the addresses it captured).
+        # The misses the last commit did not admit (_defer).
         self._deferred: Optional[Deferred] = None
-        self._retired: list = []
 
     @property
     def admission(self) -> str:
@@ -672,9 +670,7 @@ class CachedRows(HostRows):
         them (_unmark_deferred)."""
         n = d.n
         kept = self._deferred
-        if kept is None or kept.rows.numel() < n:  # grown, never shrunk: a graph keeps its own
-            if kept is not None and self._graphed:
-                self._retired.append(kept)
+        if kept is None or kept.rows.numel() < n:  # grown, never shrunk
             size = max(n, 1)
             positions = torch.arange(size, device=self.device)
             kept = Deferred(self._buffer(size),
@@ -694,11 +690,28 @@ class CachedRows(HostRows):
         ops._take_rows(kept.buf, buf, back, count)
         kept.count.copy_(count)
 
+    def _keeps(self, n: int) -> bool:
+        """Whether this commit (of a step of `n` distinct ids) keeps the misses it refuses
+        (``defer``). Once a step of this store is captured in a CUDA graph, the kept buffer is
+        never made or grown: the graph's stages write back and take from the buffer they
+        captured (or none), so a commit whose rows would not fit it writes them back itself."""
+        kept = self._deferred
+        if not self.defer:
+            return False
+        if self._graphed:
+            return kept is not None and kept.rows.numel() >= n
+        return True
+
+    def _empty_deferred(self) -> None:
+        """Nothing is kept (the map no longer marks the rows: _unmark_deferred)."""
+        if self._deferred is not None:
+            self._deferred.rows.fill_(self.slot_of.numel() - 1)
+            self._deferred.count.zero_()
+
     def _forget_deferred(self) -> None:
         """No row is kept any more (written back, or the host table is being replaced)."""
-        if self._deferred is not None:
-            self._unmark_deferred()
-            self._deferred.count.zero_()
+        self._unmark_deferred()
+        self._empty_deferred()
 
     def last_hits(self) -> Optional[Tensor]:
         if self._last_lookup is None:
@@ -751,7 +764,8 @@ class CachedRows(HostRows):
         take, rest_count = ops._partition(rest)
         back = order[take]
         rest_rows = d.ids[back]
-        if not self.defer:
+        keeps = self._keeps(d.n)
+        if not keeps:
             with self._on_lane():
                 self._move(buf.unbind(0), rest_rows, back, rest_count, load=False,
                            sms=self._write_sms)
@@ -767,10 +781,12 @@ class CachedRows(HostRows):
         if direct:  # the hits were updated in their slots: only admitted misses move
             dest = torch.where(at < self.slots, self.slots, dest)
         ops._put_rows(self.cache, buf, dest, d.count)
-        if self.defer:
+        if keeps:
             self._defer(buf, d, back, rest_rows, rest_count)
-        elif self._deferred is not None:  # kept while deferring, written back at this stage
-            self._deferred.count.zero_()
+        elif self._deferred is not None and not self._graphed:  # kept before: written back
+            self._deferred = None  # by this stage; a stage without it does less
+        else:
+            self._empty_deferred()
         with self.counting(rest_count):
             self.stats[Stat.DIRECT_WRITEBACKS] += rest_count[0]
         # LFU aging: the frequencies halve every aging_steps steps (decided on the device).

@@ -33,6 +33,7 @@ def check_map(store: CachedRows) -> None:
     want = {} if kept is None else {int(r): j for j, r in enumerate(
         kept.rows[:int(kept.count)].tolist())}
     assert marked == want
+    assert int(store.slot_of[-1]) == -1  # the spare entry names nothing
 
 
 @pytest.mark.parametrize("device,overlap", LANES)
@@ -166,6 +167,8 @@ def test_kept_misses(device, between, gen):
         check_map(cached.store)
     assert int(cached.store.id_of[0]) == 0
     assert cached.cache_stats()["direct_writebacks"] == 4  # 7, 8 and 9 (used once each), 5
+    marks = (cached.store.slot_of <= -2).nonzero().view(-1).tolist()
+    assert marks == [5] and int(cached.store.slot_of[5]) == -2  # kept, first place
     if between == "prefetch":  # between steps too: the carry must not take 5 from the host
         cached.prefetch(torch.tensor([5, 6], device=device))
     elif between == "read-only forward":
@@ -185,13 +188,79 @@ def test_kept_misses(device, between, gen):
     # The read-only forward took 5 from the kept rows too (and wrote them back, unchanged).
     assert stats["deferred_loads"] == {"flush": 0, "read-only forward": 2}.get(between, 1)
     if between == "not deferring":  # 5 and 6 refused, written back by the commit: none kept
-        assert int(cached.store._deferred.count) == 0
+        assert cached.store._deferred is None
+        for ids in ([5], [5], [1]):  # 5 takes the slot, then 1: its map entry must stay
+            step(ids)
+            check_map(cached.store)
     assert stats["host_bytes"] == cached.row_bytes * (
         stats["host_loads"] - stats["prefetched_loads"]
         + stats["prefetched_rows"] + stats["evictions"] + stats["direct_writebacks"])
     for key, value in plain.state_dict().items():  # state_dict flushes the kept rows
         assert torch.equal(cached.state_dict()[key], value), key
     check_map(cached.store)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kept_before", [True, False])
+def test_kept_misses_after_a_capture(device, kept_before, gen):
+    """Once a step is captured, the kept buffer keeps its size (the graph's stages write back
+    and take from it): a larger step's refused misses go back at its commit, and a store whose
+    capture found no kept buffer never keeps any. Training stays exact (the capture is marked
+    by hand here, so the rule runs on the CPU too)."""
+    init = torch.randn(20, 4, dtype=torch.float64, generator=gen)
+    plain, cached = (so.HostEmbedding.from_pretrained(
+        init, freeze=False, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1},
+        device=device) for _ in range(2))
+    cached.store = CachedRows(cached.host, torch.device(device), 1, defer=kept_before)
+
+    def step(ids):
+        for emb in (plain, cached):
+            emb(torch.tensor(ids, device=device)).pow(2).sum().backward()
+            emb.step()
+        check_map(cached.store)
+
+    for ids in ([0, 0], [0], [5, 6]):
+        step(ids)
+    assert (cached.store._deferred is not None) == kept_before
+    cached.store._graphed = True  # as a capture of this store's step would
+    cached.store.defer = True
+    size = cached.store._deferred.rows.numel() if kept_before else 0
+    for ids in ([7, 8, 9, 10], [5, 6], [7, 8, 9, 10], [11]):  # wider than the buffer, then not
+        step(ids)
+        kept = cached.store._deferred
+        assert (kept is None) if not kept_before else kept.rows.numel() == size
+        refused = 0 if kept is None else int(kept.count)
+        assert refused == (len(ids) if kept_before and len(ids) <= size else 0)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(cached.state_dict()[key], value), key
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the race is between the lane and the current stream")
+def test_kept_rows_win_over_a_late_write_back(gen):
+    """A kept row staged again in the very next step: the stage loads it from the host while
+    the lane's write-back of the kept copy may not have landed (here it is held back on
+    purpose), so the stage must take it from the kept rows. Exact against no cache."""
+    init = torch.randn(10, 4, dtype=torch.float64, generator=gen)
+    plain, cached = (so.HostEmbedding.from_pretrained(
+        init, freeze=False, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1},
+        device="cuda") for _ in range(2))
+    store = CachedRows(cached.host, torch.device("cuda"), 1)
+    cached.store = store
+    real = store._move
+
+    def late(parts, rows, slots, count, load, sms=0):
+        if not load and torch.cuda.current_stream() == store._lanes:
+            torch.cuda._sleep(100_000_000)  # the lane's write-backs land late
+        real(parts, rows, slots, count, load, sms)
+
+    store._move = late
+    for ids in ([0, 0, 0], [0], [5, 6], [5, 6], [5, 6, 0]):  # 5, 6 kept, then staged again
+        for emb in (plain, cached):
+            emb(torch.tensor(ids, device="cuda")).pow(2).sum().backward()
+            emb.step()
+    assert cached.cache_stats()["deferred_loads"] >= 2
+    for key, value in plain.state_dict().items():
+        assert torch.equal(cached.state_dict()[key], value), key
 
 
 @pytest.mark.parametrize("name", ["lane_sms", "write_sms"])
