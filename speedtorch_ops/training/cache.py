@@ -20,9 +20,10 @@ The cache (``CachedRows``):
   nothing; ``admission="always"``: whatever that slot holds); the evicted row is written back
   to the host (every cached row has been trained, so every cached row is dirty). A tie keeps the
   cached row: a row seen once does not push out another seen once, which would miss again when
-  its turn came (docs/decisions.md, "Admission by frequency"). A miss that is not admitted is
-  kept on the device by the commit (``Deferred``) and written back by the next stage, on the
-  lane, which takes from there the misses it stages again; a flush writes them too.
+  its turn came (docs/decisions.md, "Admission by frequency"). In a cache smaller than its
+  table (``defer``) a miss that is not admitted is kept on the device by the commit
+  (``Deferred``) and written back by the next stage, on the lane, which takes from there the
+  misses it stages again; a flush writes them too. Otherwise the commit writes it back.
 The map and the frequencies cost 8 bytes per table row (counted in the budget).
 
 The lane (on a GPU, ``overlap=True``): a side stream of the store. At stage it writes back the
@@ -144,9 +145,9 @@ class Stat(IntEnum):
     """The counters of a store's ``stats`` (one int64 tensor on its device, so the replays of a
     captured step count too), since construction: distinct rows looked up, cache hits, rows a
     stage took from the host (misses; now, ahead, or kept by the last commit), rows evicted from
-    the cache, misses not admitted (written back by the next stage), the misses a prefetch had
-    loaded, rows prefetches loaded (taken or not), the misses whose values came from the rows
-    the last commit kept on the device (over what the stage loaded for them)."""
+    the cache, misses not admitted (written back by the next stage or the commit), the misses a
+    prefetch had loaded, rows prefetches loaded (taken or not), the misses whose values came
+    from the rows the last commit kept on the device (over what the stage loaded for them)."""
     LOOKUPS = 0
     HITS = 1
     HOST_LOADS = 2
@@ -525,7 +526,7 @@ class CachedRows(HostRows):
         # Keeping them costs a dozen small kernels a step whatever the misses: by default only
         # a cache smaller than its table does, where misses are refused every step; a cache of
         # every row refuses few (docs/decisions.md, "Admission by frequency"). May change
-        # between steps, before a capture.
+        # between steps (a captured step keeps doing what it did when captured: _keeps).
         self.defer = slots < host.shape[0] if defer is None else bool(defer)
         if slots < 1:
             raise ValueError(f"CachedRows: slots must be at least 1, got {slots}")
@@ -862,7 +863,7 @@ class CachedRows(HostRows):
         kept = self._deferred
         if kept is not None:  # the misses the last commit kept, then none
             self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count, load=False)
-            if self._ahead_planned is not None:  # a prefetch reads their key (prefetch)
+            if self._ahead_planned is not None:  # a prefetch reads the map (prefetch)
                 torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
             self._forget_deferred()
         wait_for(self.device)  # the host reads the table next
