@@ -601,11 +601,9 @@ class CachedRows(HostRows):
         d = self._begin_stage(plan)
         # The misses the last commit kept go back first, on the lane: nothing of this step's
         # is needed for that, and the stage below takes the ones it stages again.
-        kept = self._deferred
-        if kept is not None:
+        if self._deferred is not None:
             with self._on_lane():
-                self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count,
-                           load=False, sms=self._write_sms)
+                self._write_deferred(sms=self._write_sms)
         # Hits from the cache (every other entry names the slot past its end), misses from the
         # host, the carry or the kept misses; the lookup counts each id's use.
         at, miss = ops._cache_lookup(d.ids, d.count, self.slot_of, self.freq, self.slots)
@@ -657,6 +655,17 @@ class CachedRows(HostRows):
         with self.counting(at):
             self.stats[Stat.DEFERRED_LOADS] += ((at >= 0) & d.valid).sum()
 
+    @property
+    def _spare(self) -> int:
+        """The map's entry past the table's rows: it names no row and stays -1."""
+        return self.slot_of.numel() - 1
+
+    def _write_deferred(self, sms: int = 0) -> None:
+        """Queue the write-back of the kept rows (the current stream's; a count on the device)."""
+        kept = self._deferred
+        self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count, load=False,
+                   sms=sms)
+
     def _unmark_deferred(self) -> None:
         """The map forgets the kept rows (written back, taken by the stage that used them):
         before the commit admits any of them to a slot."""
@@ -675,7 +684,7 @@ class CachedRows(HostRows):
             size = max(n, 1)
             positions = torch.arange(size, device=self.device)
             kept = Deferred(self._buffer(size),
-                            torch.full((size,), self.slot_of.numel() - 1, dtype=torch.int64,
+                            torch.full((size,), self._spare, dtype=torch.int64,
                                        device=self.device),
                             torch.zeros(1, dtype=torch.int64, device=self.device), positions,
                             (-2 - positions).int())
@@ -683,10 +692,9 @@ class CachedRows(HostRows):
         live = d.positions < count
         # Past the count: the map's spare entry (no table row), which they leave at -1; so are
         # the places past this step's (a larger step's rows, unmarked already).
-        spare = self.slot_of.numel() - 1
-        kept.rows[:n].copy_(torch.where(live, rows, spare))
+        kept.rows[:n].copy_(torch.where(live, rows, self._spare))
         if kept.rows.numel() > n:
-            kept.rows[n:].fill_(spare)
+            kept.rows[n:].fill_(self._spare)
         self.slot_of.index_put_((kept.rows[:n],), torch.where(live, kept.codes[:n], -1))
         ops._take_rows(kept.buf, buf, back, count)
         kept.count.copy_(count)
@@ -696,17 +704,14 @@ class CachedRows(HostRows):
         (``defer``). Once a step of this store is captured in a CUDA graph, the kept buffer is
         never made or grown: the graph's stages write back and take from the buffer they
         captured (or none), so a commit whose rows would not fit it writes them back itself."""
-        kept = self._deferred
-        if not self.defer:
-            return False
-        if self._graphed:
-            return kept is not None and kept.rows.numel() >= n
-        return True
+        if not self.defer or not self._graphed:
+            return self.defer
+        return self._deferred is not None and self._deferred.rows.numel() >= n
 
     def _empty_deferred(self) -> None:
         """Nothing is kept (the map no longer marks the rows: _unmark_deferred)."""
         if self._deferred is not None:
-            self._deferred.rows.fill_(self.slot_of.numel() - 1)
+            self._deferred.rows.fill_(self._spare)
             self._deferred.count.zero_()
 
     def _forget_deferred(self) -> None:
@@ -860,9 +865,8 @@ class CachedRows(HostRows):
         rows, order = torch.sort(key)
         count = (ids >= 0).sum().view(1)
         self._move(self.cache.unbind(0), rows, order, count, load=False)
-        kept = self._deferred
-        if kept is not None:  # the misses the last commit kept, then none
-            self._move(kept.buf.unbind(0), kept.rows, kept.positions, kept.count, load=False)
+        if self._deferred is not None:  # the misses the last commit kept, then none
+            self._write_deferred()
             if self._ahead_planned is not None:  # a prefetch reads the map (prefetch)
                 torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
             self._forget_deferred()
