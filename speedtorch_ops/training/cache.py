@@ -505,6 +505,31 @@ class HostRows:
         return 0
 
 
+def check_cache_bytes(cache_bytes) -> int:
+    """`cache_bytes` checked: an int >= 0 (0: no cache). The one check of a cache budget."""
+    if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    return cache_bytes
+
+
+def cache_slots(cache_bytes: int, rows: int, row_bytes: int, strict: bool = True) -> int:
+    """The rows a cache of `cache_bytes` holds for a table of `rows` rows of `row_bytes` bytes
+    (each with its optimizer state): what the budget leaves after the map and the frequencies,
+    at most the table (slots beyond it are waste); 0 for a budget of 0. A budget that holds no
+    row raises naming ``cache_bytes`` (``strict``) or gives 0. The one slot formula."""
+    check_cache_bytes(cache_bytes)
+    if cache_bytes == 0:
+        return 0
+    slots = (cache_bytes - CachedRows.index_bytes(rows)) // row_bytes
+    if slots >= 1:
+        return min(slots, rows)
+    if not strict:
+        return 0
+    raise ValueError(f"cache_bytes={cache_bytes} holds no row: the cache's index takes "
+                     f"{CachedRows.index_bytes(rows)} bytes and a row with its optimizer state "
+                     f"{row_bytes}; pass 0 for no cache or more bytes")
+
+
 class CachedRows(HostRows):
     """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
 
