@@ -45,8 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .modules import (_FLOATING, _ROUNDING, OPTIONAL_STATE, HostEmbedding, _check_state_dtype,
-                      _compile_eagerly, _eager, _lookup, _normal_init, _same_view)
+from .eager import compile_eagerly, eager
+from .modules import HostEmbedding
+from .training.checkpoint import load_rows, same_view, save_rows
+from .training.table import FLOATING, check_state_dtype, normal_init
+from .training.update import OPTIONAL_STATE, ROUNDING_STATE
 from .training.cache import CachedRows
 from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
@@ -100,7 +103,7 @@ class TableConfig:
         object.__setattr__(self, "feature_names", names)
         for key in ("dtype", "state_dtype"):
             value = getattr(self, key)
-            if value is not None and value not in _FLOATING:
+            if value is not None and value not in FLOATING:
                 raise TypeError(f"TableConfig {self.name!r}: {key} must be a floating dtype "
                                 f"(float16, bfloat16, float32, float64) or None, got {value!r}")
 
@@ -116,12 +119,11 @@ class _Group(HostEmbedding):
         pass
 
     def save_rows(self, destination: dict) -> None:
-        HostEmbedding._save_to_state_dict(self, destination, "", False)
+        save_rows(self.engine, destination)
 
     def load_rows(self, state_dict: dict, missing: list, unexpected: list,
                   errors: list) -> None:
-        HostEmbedding._load_from_state_dict(self, state_dict, "", {}, True, missing, unexpected,
-                                            errors)
+        load_rows(self.engine, state_dict, "", missing, unexpected, errors)
 
 
 @dataclass
@@ -170,7 +172,7 @@ class HostEmbeddingBagCollection(nn.Module):
         # holds a part of each), default all; _spare_rows: rows each group holds past its
         # tables' (a sharded group's padding row).
         super().__init__()
-        _compile_eagerly(type(self))
+        compile_eagerly(type(self))
         tables = list(tables)
         if not tables or any(not isinstance(t, TableConfig) for t in tables):
             raise TypeError("tables must be a non-empty list of speedtorch_ops.TableConfig")
@@ -199,7 +201,7 @@ class HostEmbeddingBagCollection(nn.Module):
             # float64 state); the table's own is checked as given.
             setting = t.state_dtype or (state_dtype if table_dtype != torch.float64 else None)
             try:
-                setting = _check_state_dtype(setting, table_dtype)
+                setting = check_state_dtype(setting, table_dtype)
             except TypeError as e:
                 raise TypeError(f"TableConfig {t.name!r}: {e}") from None
             kinds.append((t.embedding_dim, table_dtype, setting))
@@ -346,29 +348,32 @@ class HostEmbeddingBagCollection(nn.Module):
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
         of positions lo..hi split into pieces of `sizes`): group `g`'s staged rows."""
         group = self.groups[g]
-        plan, d, _ = group._stage((flat,), lookup_only=lookup_only)
+        engine = group.engine
+        d = engine.stage((flat,), group.trains, lookup_only=lookup_only).distinct
         self._count(g, d)
-        rows = group._lookup_rows(d.inverse)
+        rows = engine.lookup_rows(d.inverse)
 
         def pick(lo: int, hi: int, sizes: list) -> tuple:
             if lo == 0 and hi == len(d.inverse):  # the segment sum needs every position
-                return _lookup(rows, d, sizes, **group._lookup_source())  # no joins
+                return engine.lookup(rows, d, sizes)  # no joins
             # split, not slices: its backward is one cat, a slice's a zeroed whole
             return F.embedding(d.inverse[lo:hi], rows).split(sizes)
         return rows, d.inverse, pick
 
-    @_eager
+    @eager
     def forward(self, features) -> Dict[str, Tensor]:
         return self._forward(*self._prepare(features))
 
     def _forward(self, weights, lengths, stride: int, at: dict, grouped: list) -> dict:
+        for group in self.groups:  # before any group drops its staged rows
+            group.engine.check_restage()
         outputs = {}
         lens = None
         for g, (feats, flat, starts) in enumerate(grouped):
             if not feats:
                 continue
             group = self.groups[g]
-            # Features without pooling alone read the rows through _lookup only.
+            # Features without pooling alone read the rows through the engine's lookup only.
             rows, index, pick = self._group_rows(g, flat, all(f.pooling == "none"
                                                               for f in feats))
             for mode in ("none", "sum", "mean"):
@@ -419,10 +424,10 @@ class HostEmbeddingBagCollection(nn.Module):
             counts = torch.stack([torch.diff(upto, prepend=zero),
                                   torch.diff(hits_upto, prepend=zero)], 1)
             self._table_stats.index_add_(0, mine, counts)
-        if group._staged is None:  # a read-only forward: no commit will join the counting
-            group.store._join_books()
+        if group.engine.staged is None:  # a read-only forward: no commit will join the counting
+            group.store.join_books()
 
-    @_eager
+    @eager
     def step(self) -> None:
         """Update every table's touched rows (and state) and commit them."""
         self._step_groups()
@@ -440,7 +445,7 @@ class HostEmbeddingBagCollection(nn.Module):
                     group.discard()
             raise
 
-    @_eager
+    @eager
     def prefetch(self, features) -> None:
         """Start loading the rows of the next step's batch (see HostEmbedding.prefetch)."""
         self._prefetch(self._prepare(features, pooling=False)[4])
@@ -450,7 +455,7 @@ class HostEmbeddingBagCollection(nn.Module):
             if feats:
                 group.prefetch(flat)
 
-    @_eager
+    @eager
     def discard(self) -> None:
         for group in self.groups:
             group.discard()
@@ -523,7 +528,7 @@ class HostEmbeddingBagCollection(nn.Module):
             def each_table(weight, mine=mine):
                 for k in mine:
                     rows = weight[self._offset[k]:self._offset[k] + self._rows[k]]
-                    fn = inits.get(self.tables[k].name) or _normal_init
+                    fn = inits.get(self.tables[k].name) or normal_init
                     fn(rows)
             group.reset_parameters(each_table)
 
@@ -560,7 +565,7 @@ class HostEmbeddingBagCollection(nn.Module):
         before any is loaded, so an error loads nothing."""
         known, loads, errors = set(), [], []
         optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
-        rounding_keys = {f"optimizer.{key}" for key in _ROUNDING}
+        rounding_keys = {f"optimizer.{key}" for key in ROUNDING_STATE}
         for g, group in enumerate(self.groups):
             whole: dict = {}
             group.save_rows(whole)  # the group's keys and their current tensors (flushed)
@@ -593,7 +598,7 @@ class HostEmbeddingBagCollection(nn.Module):
                         got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
                         errors.append(f"{n}: shape {got} in the checkpoint, {want} here")
                         continue
-                    in_place &= _same_view(v, here)
+                    in_place &= same_view(v, here)
                     pieces.append(v)
                 if len(pieces) == len(mine):
                     held = self._offset[mine[-1]] + self._rows[mine[-1]]

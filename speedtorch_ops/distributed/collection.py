@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..collection import HostEmbeddingBagCollection, TableConfig
-from ..modules import _eager, _lookup
+from ..eager import eager
 from . import checkpoint, peer
 from .exchange import agree, backend_device, exchange, gather_cyclic, host_route_group, local_rows
 
@@ -299,7 +299,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         exchange(received, send.to(self.comm_device), sizes, [n] * world, self.group)
         return index, received.to(self.device)
 
-    @_eager
+    @eager
     def forward(self, features) -> dict:
         prepared, sizes = self._agreed(features)  # raises before anything changes
         if self._peer is not None:
@@ -317,10 +317,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         n = flat.numel()
         index, served_ids = self._route(g, flat, sizes)
         group = self.groups[g]
-        plan, d, _ = group._stage((served_ids,), lookup_only=True)
+        engine = group.engine
+        d = engine.stage((served_ids,), group.trains, lookup_only=True).distinct
         self._count(g, d)
-        served = _lookup(group._lookup_rows(d.inverse), d, [served_ids.numel()],
-                         **group._lookup_source())[0]
+        (served,) = engine.lookup(engine.lookup_rows(d.inverse), d, [served_ids.numel()])
         back = None  # the peer exchange's (this rank's bucket places, served slots' sources)
         if self.world == 1:
             rows = served.detach()  # a leaf of its own: step() hands its gradient to served
@@ -332,7 +332,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             exchange(rows, served.detach().to(self.comm_device), [n] * self.world, sizes,
                      self.group)
             rows = rows.to(self.device)
-        if group._staged is not None:  # a training forward: step() sends the gradients back
+        if engine.staged is not None:  # a training forward: step() sends the gradients back
             rows.requires_grad_()
             generation = self._generation
 
@@ -377,7 +377,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         row_of = torch.where(served_ids >= self._pads[g][self.rank], -1, row_of)
         return rows, (index, source, row_of)
 
-    @_eager
+    @eager
     def step(self) -> None:
         """Collective: the gradients of the last forward's rows go to their owners, which
         update their rows and state and commit them."""
@@ -406,7 +406,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             served.backward(grad)  # sums a row's gradients from every rank that asked for it
         self._step_groups()
 
-    @_eager
+    @eager
     def prefetch(self, features) -> None:
         """Collective: start loading the rows of the next step's batch on their owners (see
         HostEmbedding.prefetch); one exchange of ids per group."""
@@ -419,7 +419,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared[4])):
             group.prefetch(self._route(g, flat, [row[g] for row in sizes], ahead=True)[1])
 
-    @_eager
+    @eager
     def discard(self) -> None:
         self._pending = None
         self._generation += 1

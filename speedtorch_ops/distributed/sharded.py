@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..modules import HostEmbedding, _bag_input, _pool
+from ..bags import bag_input, pool
+from ..modules import HostEmbedding, split_outputs
 from ..training.placement import upload
 from ..training.plan import host_ids
 from . import checkpoint
@@ -333,7 +334,7 @@ class ShardedHostEmbedding(_ShardedRows):
 
     def _route_args(self, ids, *more_ids) -> tuple:
         # HostEmbedding's split needs only embedding_dim, which this class has.
-        return (ids, *more_ids), lambda staged: HostEmbedding._outputs(self, *staged)
+        return (ids, *more_ids), lambda staged: split_outputs(*staged, self.embedding_dim)
 
 
 class ShardedHostEmbeddingBag(_ShardedRows):
@@ -350,14 +351,14 @@ class ShardedHostEmbeddingBag(_ShardedRows):
     def _route_args(self, input: Tensor, offsets: Optional[Tensor] = None,
                     per_sample_weights: Optional[Tensor] = None) -> tuple:
         input = torch.as_tensor(input)
-        bag = _bag_input(input, offsets, per_sample_weights, self.mode, False, self.device,
-                         self.dtype, check_values=True)
+        bag = bag_input(input, offsets, per_sample_weights, self.mode, False, self.device,
+                        self.dtype, check_values=True)
 
-        def pool(staged) -> Tensor:
+        def pooled(staged) -> Tensor:
             rows = staged[0]  # one row per position of input
             index = torch.arange(rows.shape[0], device=rows.device).view(input.shape)
-            return _pool(rows, index, bag, self.mode)
-        return (input,), pool
+            return pool(rows, index, bag, self.mode)
+        return (input,), pooled
 
 
 class ShardedEmbeddingCollection(nn.Module):

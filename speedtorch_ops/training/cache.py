@@ -428,7 +428,7 @@ class HostRows:
     def _join_side(self) -> None:
         """The current stream waits for the store's side work: the prefetch and the counting."""
         self._join_ahead()
-        self._join_books()
+        self.join_books()
 
     @contextlib.contextmanager
     def counting(self, *used: Tensor):
@@ -441,7 +441,7 @@ class HostRows:
             self._books_captured = self._capturing()
             self._books_uses.extend(used)
 
-    def _join_books(self) -> None:
+    def join_books(self) -> None:
         """The current stream waits for the counting queued so far."""
         self._wait(self._books_done, self._books_captured,
                    "counting queued outside this CUDA graph capture is still pending",
@@ -451,7 +451,7 @@ class HostRows:
     def counters(self) -> Tensor:
         """``stats``, once the counting queued so far is in them (the current stream waits for
         it; reading them then waits for the GPU)."""
-        self._join_books()
+        self.join_books()
         return self.stats
 
     def _capturing(self) -> bool:

@@ -390,3 +390,38 @@ def test_double_backward_is_refused(gen):
     (g,) = torch.autograd.grad(out.pow(2).sum(), emb.step_parameters(), create_graph=True)
     with pytest.raises(RuntimeError, match="twice|once_differentiable|double backward"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_forward_after_a_backward_raises_and_keeps_the_gradient(device, gen):
+    """Gradient accumulation over forwards (nn sums both micro-batches' gradients) is refused
+    rather than losing the first micro-batch: the second forward raises, and step() then
+    applies the first forward's gradient exactly as nn.Embedding with SGD does."""
+    init = torch.randn(ROWS, DIM, dtype=torch.float64, generator=gen)
+    a, b = id_batches(2, gen)
+    target = torch.randn(*a.shape, DIM, dtype=torch.float64, generator=gen)
+    emb = so.HostEmbedding.from_pretrained(init, freeze=False, optimizer=torch.optim.SGD,
+                                           optimizer_kwargs={"lr": 0.1}, device=device)
+    loss_of(emb(a.to(device)), target.to(device)).backward()
+    with pytest.raises(RuntimeError, match="second forward"):
+        emb(b.to(device))
+    emb.step()
+    ref = nn.Embedding.from_pretrained(init.clone(), freeze=False)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_of(ref(a), target).backward()
+    opt.step()
+    assert torch.allclose(emb.weight.cpu(), ref.weight, rtol=1e-12, atol=1e-12), gen.initial_seed()
+    emb(b.to(device)).sum().backward()  # usable afterwards
+    emb.step()
+
+
+def test_a_forward_after_zero_grad_or_discard_drops_the_staged_rows(gen):
+    """Without a gradient (none yet, zero_grad, discard) a new forward replaces the staged
+    one, as before: nothing is lost that a step would have applied."""
+    emb = so.HostEmbedding(ROWS, DIM, optimizer=torch.optim.SGD, device="cpu")
+    a, b = id_batches(2, gen)
+    emb(a)
+    emb(b).sum().backward()
+    emb.zero_grad()
+    emb(a).sum().backward()
+    emb.step()

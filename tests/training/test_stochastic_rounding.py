@@ -389,7 +389,7 @@ def test_a_table_starts_from_the_same_weights_with_or_without_rounding():
     torch.manual_seed(4)
     a = so.HostEmbedding(50, 8, dtype=torch.bfloat16, device="cpu")
     b = so.HostEmbedding(50, 8, dtype=torch.bfloat16, device="cpu")
-    assert int(a._rounding[0]) != int(b._rounding[0])  # each table its own stream
-    seed = int(a._rounding[0])
+    assert int(a.engine.update.rounding[0]) != int(b.engine.update.rounding[0])  # each table its own stream
+    seed = int(a.engine.update.rounding[0])
     a.to(torch.float16)  # a conversion carries the stream on
-    assert int(a._rounding[0]) == seed
+    assert int(a.engine.update.rounding[0]) == seed

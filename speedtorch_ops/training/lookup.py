@@ -1,0 +1,108 @@
+"""A step's forward reads of its staged rows, and their backward: every position's row
+(``lookup``), through a guard that refuses the gradient of a dropped step (``guard``)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import ops
+from .cache import Distinct
+
+
+class _Guard(torch.autograd.Function):
+    """The staged rows as the outputs see them: an identity whose backward refuses a gradient
+    of a forward whose rows were dropped (a later forward, discard()), scales a row's gradient
+    by 1 / its count in the batch (``scale_grad_by_freq``) and zeroes the padding row's."""
+
+    @staticmethod
+    def forward(ctx, rows, owner, generation, counts, pad_at, pad_in):
+        ctx.owner, ctx.generation = weakref.ref(owner), generation
+        ctx.save_for_backward(counts, pad_at, pad_in)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        owner = ctx.owner()
+        if owner is None or owner.generation != ctx.generation:
+            raise RuntimeError(
+                "backward of a HostEmbedding/HostEmbeddingBag output whose staged rows were "
+                "dropped: a later forward (or discard()) came before this output's backward. "
+                "A module takes one forward per step (HostEmbedding: pass every id tensor of the "
+                "step to one call, emb(ids_a, ids_b); HostEmbeddingBag: put every bag of the "
+                "step in one input), then backward, then step()")
+        counts, pad_at, pad_in = ctx.saved_tensors
+        if counts.numel():
+            grad = grad / counts.clamp(min=1).unsqueeze(1)
+        if pad_at.numel():
+            keep = (~pad_in).to(grad.dtype).view(1, 1)
+            grad = grad.index_copy(0, pad_at, grad.index_select(0, pad_at) * keep)
+        return grad, None, None, None, None, None
+
+
+def guard(rows: Tensor, owner, counts: Tensor, pad_at: Tensor, pad_in: Tensor) -> Tensor:
+    """`rows` through the guard of `owner`'s current generation (an object with a
+    ``generation`` that rises when its staged step is dropped or done)."""
+    return _Guard.apply(rows, owner, owner.generation, counts, pad_at, pad_in)
+
+
+@dataclass
+class GradTail:
+    """Whether a lookup's backward writes the gradient's rows past the distinct count
+    (``zero``, read when the backward runs: a reader of the whole gradient known by then asks
+    for it), and whether one left them unwritten (``unset``)."""
+    zero: bool
+    unset: bool = False
+
+
+class _Lookup(torch.autograd.Function):
+    """The staged rows at every position of a step, ``rows[d.inverse]``, as one output per
+    piece of the positions (``sizes``; each its own tensor, no view of another). Its backward
+    sums each row's gradients over the positions the step's ``Distinct`` sorted (``perm``,
+    ``starts``), reading the outputs' gradients where they are (nothing joins them first): a
+    deterministic segment sum (``ops._segment_sum``), no atomics on a hot row's positions and
+    no second sort."""
+
+    @staticmethod
+    def forward(ctx, rows, d, sizes, tail, cache, at):
+        ctx.save_for_backward(d.perm, d.starts, d.count)
+        ctx.rows, ctx.tail = rows.shape[0], tail
+        return _gather(rows, d, sizes, cache, at)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        perm, starts, count = ctx.saved_tensors
+        pieces = [g.reshape(-1, g.shape[-1]).contiguous() for g in grads]
+        tail = ctx.tail
+        zero = tail is None or tail.zero
+        if not zero:
+            tail.unset = True
+        return (ops._segment_sum(pieces, perm, starts, count, ctx.rows, zero),
+                None, None, None, None, None)
+
+
+def _gather(rows: Tensor, d: Distinct, sizes: Sequence[int], cache: Optional[Tensor],
+            at: Optional[Tensor]) -> tuple:
+    """The pieces of ``rows[d.inverse]`` (see lookup)."""
+    index = d.inverse.split(list(sizes)) if len(sizes) > 1 else (d.inverse,)
+    if rows.device.type == "cpu" and cache is None:
+        return tuple(F.embedding(i, rows) for i in index)  # torch's threads
+    return tuple(ops._gather_staged(rows, i, cache, at) for i in index)
+
+
+def lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], tail: Optional[GradTail] = None,
+           cache: Optional[Tensor] = None, at: Optional[Tensor] = None) -> tuple:
+    """``rows[d.inverse]`` split into pieces of ``sizes`` positions (one tensor each), through
+    _Lookup when a gradient may flow; with a ``cache`` (its weight rows) and ``at`` (a slot a
+    distinct row), a row whose slot is given is read from the cache (its staged row is not).
+    ``tail``: whether the backward writes the gradient's rows past the distinct count (None:
+    it does)."""
+    if not rows.requires_grad:
+        return _gather(rows.detach(), d, sizes, cache, at)
+    return _Lookup.apply(rows, d, list(sizes), tail, cache, at)
