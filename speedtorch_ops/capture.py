@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from .training.placement import upload_all
+from .training.placement import Uploaded, upload_all
 from .training.plan import _INTEGER, Plan, host_ids, out_of_range
 
 
@@ -138,8 +138,8 @@ class CapturedStep:
         with torch.cuda.device(self.device):
             return self._call(ids)
 
-    def _inputs_of(self, checked, out: Optional[torch.Tensor] = None) -> tuple:
-        """(one int64 buffer, the step's inputs in it) on the GPU (`out` when given): host ids
+    def _inputs_of(self, checked, out: Optional[torch.Tensor] = None) -> Uploaded:
+        """One int64 buffer and the step's inputs in it, on the GPU (`out` when given): host ids
         in one upload, ids on the GPU in one copy there."""
         if isinstance(checked, _HostIds):
             uploaded = checked.upload(self.device, out)
@@ -152,7 +152,7 @@ class CapturedStep:
                               device=self.device)
         views = list(out.split([x.numel() for x in checked]))
         torch.cat([x.reshape(-1) for x in checked], out=out)
-        return out, [v.view(x.shape) for v, x in zip(views, checked)]
+        return Uploaded(out, [v.view(x.shape) for v, x in zip(views, checked)])
 
     def _call(self, ids):
         if self.group is None:
@@ -170,7 +170,7 @@ class CapturedStep:
             current = torch.cuda.current_stream(self.device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                result = self.step(*self._inputs_of(host)[1])
+                result = self.step(*self._inputs_of(host).views)
             current.wait_stream(self._side)
             return result
         if self.graph is None:
@@ -255,9 +255,9 @@ class _HostIds:
                 Plan(host_ids(a, f"ids[{k}]"), "cpu").check(rows[k], f"ids[{k}]")
         return cls(staging, [a.shape for a in arrays])
 
-    def upload(self, device: torch.device, out: Optional[torch.Tensor] = None) -> tuple:
-        """(the ids as one int64 buffer on `device`, `out` when given; the inputs, views of it
-        in their shapes), queued on the current stream: one copy from the pinned buffer,
+    def upload(self, device: torch.device, out: Optional[torch.Tensor] = None) -> Uploaded:
+        """The ids as one int64 buffer on `device` (`out` when given) and the inputs, views of
+        it in their shapes, queued on the current stream: one copy from the pinned buffer,
         widened there if narrower."""
         if out is None:
             out = torch.empty(self.staging.numel(), dtype=torch.int64, device=device)
@@ -266,7 +266,7 @@ class _HostIds:
         else:
             out.copy_(self.staging.to(device, non_blocking=True))
         sizes = [math.prod(s) for s in self.shapes]
-        return out, [part.view(s) for part, s in zip(out.split(sizes), self.shapes)]
+        return Uploaded(out, [part.view(s) for part, s in zip(out.split(sizes), self.shapes)])
 
 
 class _PinnedRing:

@@ -18,6 +18,13 @@ from .train import (DTYPES, OPTIMIZERS, resolve_switching, train_all_on_gpu, tra
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawTextHelpFormatter)
+    _workload_args(p)
+    _engine_args(p)
+    return p
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """What is trained: the corpus, the tables, the batches, the optimizer."""
     p.add_argument("--vocab", type=int, default=20_000, help="rows of each embedding table")
     p.add_argument("--cluster-size", type=int, default=20, help="words per planted cluster")
     p.add_argument("--tokens", type=int, default=2_000_000, help="corpus length")
@@ -37,14 +44,20 @@ def parser() -> argparse.ArgumentParser:
                         "adagrad on the CPU only (torch has no fused rmsprop); auto: on for the "
                         "collection and module engines on a GPU with adam or adamw (one kernel instead of "
                         "several a step; docs/decisions.md, 'The demo's fused optimizer')")
+    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf",
+                   help="zipf: word frequencies ~ 1/rank, as in natural text (the default); "
+                        "uniform: near-uniform words (nothing for a cache to keep)")
+    p.add_argument("--reuse-batches", action="store_true",
+                   help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """How it is trained: the device, the engine, its cache, capture and prefetch."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gpu-budget-mb", type=float, default=None,
                    help="cap this process's CUDA memory (to show tables larger than the budget)")
     p.add_argument("--baseline", action="store_true",
                    help="also time plain PyTorch with the whole tables on the GPU")
-    p.add_argument("--corpus", choices=sorted(CORPORA), default="zipf",
-                   help="zipf: word frequencies ~ 1/rank, as in natural text (the default); "
-                        "uniform: near-uniform words (nothing for a cache to keep)")
     p.add_argument("--engine", choices=["auto", "collection", "module", "factories"],
                    default="auto",
                    help="collection: both tables in one speedtorch_ops.HostEmbeddingCollection "
@@ -81,14 +94,10 @@ def parser() -> argparse.ArgumentParser:
                         "write-backs of the two tables run beside each other and beside the "
                         "training kernels; a few SMs move rows as fast as all of them "
                         "(docs/decisions.md, 'The demo's transfer SM cap')")
-    p.add_argument("--reuse-batches", action="store_true",
-                   help="cycle 64 pre-drawn batches (times the transfers, not NumPy sampling)")
-    return p
 
 
-def main(argv=None) -> None:
-    p = parser()
-    a = p.parse_args(argv)
+def _resolve(p: argparse.ArgumentParser, a: argparse.Namespace) -> torch.device:
+    """The "auto" choices made and the contradictory ones refused; the device."""
     if a.steps < 1:
         p.error("--steps must be at least 1")
     if a.fused == "on" and a.optimizer == "rmsprop":
@@ -109,26 +118,42 @@ def main(argv=None) -> None:
                 "--engine collection")
     a.fused = a.fused == "on" or (a.fused == "auto" and a.engine in ("collection", "module") and
                                   device.type == "cuda" and a.optimizer in ("adam", "adamw"))
-    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
+    return device
+
+
+def _describe(a: argparse.Namespace, device: torch.device) -> str:
     table_mb = a.vocab * a.dim * DTYPES[a.dtype].itemsize / 2**20
+    engine = ({"collection": "a HostEmbeddingCollection of both tables",
+               "module": "HostEmbedding modules"}[a.engine]
+              + (f", GPU row cache {a.cache_mb:,.0f} MiB" if device.type == "cuda" else "")
+              if a.engine != "factories"
+              else f"factories ({resolve_switching(a.switching, device)} switching)")
+    return (f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 "
+            f"tables + {a.optimizer} state in "
+            f"{'pinned host' if device.type == 'cuda' else 'host'} memory), batch {a.batch:,} x "
+            f"(1 context + {a.negatives} negatives), {a.steps} steps on {device}, {a.corpus} "
+            f"corpus, {engine}"
+            + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
+
+
+def main(argv=None) -> None:
+    p = parser()
+    a = p.parse_args(argv)
+    device = _resolve(p, a)
+    corpus = CORPORA[a.corpus](a.vocab, a.cluster_size, a.tokens)
     if a.gpu_budget_mb is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(a.gpu_budget_mb * 2**20 / total, device)
-    print(f"skip-gram: vocab {a.vocab:,} x dim {a.dim} ({table_mb:,.0f} MiB per table, 2 tables "
-          f"+ {a.optimizer} state in {'pinned host' if device.type == 'cuda' else 'host'} memory), "
-          f"batch {a.batch:,} x (1 context + {a.negatives} negatives), {a.steps} steps on {device}"
-          f", {a.corpus} corpus, "
-          + (({"collection": "a HostEmbeddingCollection of both tables",
-                "module": "HostEmbedding modules"}[a.engine]
-              + (f", GPU row cache {a.cache_mb:,.0f} MiB" if device.type == "cuda" else ""))
-             if a.engine != "factories"
-             else f"factories ({resolve_switching(a.switching, device)} switching)")
-          + (f", GPU budget {a.gpu_budget_mb:,.0f} MiB" if a.gpu_budget_mb else ""))
-
+    print(_describe(a, device))
     # The SM cap is process-wide: set for the factories' training only, restored after it.
     capped = device.type == "cuda" and a.transfer_sms and a.engine == "factories"
     with so.transfer_sm_limit(a.transfer_sms) if capped else contextlib.nullcontext():
         r = train_engine(a, corpus, device)
+    _report(a, r, corpus, device)
+
+
+def _report(a: argparse.Namespace, r: dict, corpus, device: torch.device) -> None:
+    """The run's loss, speed, memory and quality; the baseline's speed with --baseline."""
     quality = neighbour_precision(r["table"], corpus.cluster, corpus.judged_words())
     chance = (a.cluster_size - 1) / (a.vocab - 1)
     timed = a.steps - warmup_steps(a)

@@ -34,7 +34,7 @@ row asked for by several ranks); pass ``1 / world`` for DDP's average.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,56 @@ class _Pieces(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         return torch.cat([g.reshape(-1, g.shape[-1]) for g in grads]), None
+
+
+class _PeerBuffers(NamedTuple):
+    """The "peer" exchange's buffers: a step's ids, rows and gradients, a prefetch's ids."""
+    ids: "peer.PeerBuffer"
+    rows: "peer.PeerBuffer"
+    grads: "peer.PeerBuffer"
+    ahead_ids: "peer.PeerBuffer"
+
+
+class _Regions(NamedTuple):
+    """A group's byte offsets in the peer buffers of ids, rows and gradients."""
+    ids: int
+    rows: int
+    grads: int
+
+
+class _Routed(NamedTuple):
+    """A group's ids routed: where each id sits in the buckets sent, the ids this rank serves."""
+    index: Tensor
+    served: Tensor
+
+
+def _peer_buffers(coll, exchange: str) -> Optional[_PeerBuffers]:
+    """The peer buffers of collection `coll` for the "peer" exchange, or None. Every rank
+    decides alike: the tests are the same on every rank, or collective."""
+    if coll.world == 1 or exchange == "collective":
+        return None
+    ok = coll.comm_device.type == "cuda" and peer.available()
+    if ok and coll.device != coll.comm_device:  # the groups resolved "cuda" to a GPU
+        if exchange == "peer":
+            raise ValueError(f"device: exchange='peer' stages the rows on the group's GPU "
+                             f"{coll.comm_device}, got {coll.device}")
+        ok = False
+    if ok:
+        ok = peer.one_host(coll.route_group)
+    if not ok:
+        if exchange == "peer":
+            raise ValueError("exchange='peer' needs an NCCL group of GPUs on one host and "
+                             "torch's symmetric memory; use 'collective'")
+        return None
+    buffers = _PeerBuffers(*(peer.PeerBuffer(coll.group, coll.route_group, coll.comm_device)
+                             for _ in range(4)))
+    try:
+        buffers.ids.reserve(0)  # collective: a host without peer access fails here, alike
+    except Exception:  # any: agree raised it (or its own error) on every rank
+        if exchange == "peer":
+            raise
+        return None  # "auto": the collectives
+    return buffers
 
 
 class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
@@ -150,7 +200,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._starts_cpu = torch.from_numpy(starts)
         self.register_buffer("_starts", self._starts_cpu.to(self.device), persistent=False)
         self.register_buffer("_pads", torch.from_numpy(pads).to(self.device), persistent=False)
-        self._peer = self._peer_buffers(exchange)
+        self._peer = _peer_buffers(self, exchange)
         self._peer_at: Optional[list] = None  # per group: its regions of the peer buffers
         self._ahead_at: Optional[list] = None  # the same for a prefetch's ids
         self._ahead_read = False  # a prefetch's ids read with no barrier since (see prefetch)
@@ -175,34 +225,6 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     # ---- a step --------------------------------------------------------------------------
 
-    def _peer_buffers(self, exchange: str):
-        """(ids, rows, grads, ahead) peer buffers for the "peer" exchange, or None. Every rank
-        decides alike: the tests are the same on every rank, or collective."""
-        if self.world == 1 or exchange == "collective":
-            return None
-        ok = self.comm_device.type == "cuda" and peer.available()
-        if ok and self.device != self.comm_device:  # the groups resolved "cuda" to a GPU
-            if exchange == "peer":
-                raise ValueError(f"device: exchange='peer' stages the rows on the group's GPU "
-                                 f"{self.comm_device}, got {self.device}")
-            ok = False
-        if ok:
-            ok = peer.one_host(self.route_group)
-        if not ok:
-            if exchange == "peer":
-                raise ValueError("exchange='peer' needs an NCCL group of GPUs on one host and "
-                                 "torch's symmetric memory; use 'collective'")
-            return None
-        buffers = tuple(peer.PeerBuffer(self.group, self.route_group, self.comm_device)
-                        for _ in range(4))
-        try:
-            buffers[0].reserve(0)  # collective: a host without peer access fails here, alike
-        except Exception:  # any: agree raised it (or its own error) on every rank
-            if exchange == "peer":
-                raise
-            return None  # "auto": the collectives
-        return buffers
-
     def _peer_layout(self, sizes: list, ahead: bool = False) -> list:
         """Collective: per group, the byte offsets of its regions in the peer buffers (ids;
         rows and gradients too unless `ahead`, a prefetch's), the same on every rank: sized
@@ -212,7 +234,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         for g, group in enumerate(self.groups):
             ns = [row[g] for row in sizes]
             row = group.embedding_dim * group.dtype.itemsize
-            layout.append(tuple(ends))
+            layout.append(_Regions(*ends))
             need = [self.world * max(ns) * 8, sum(ns) * row, self.world * max(ns) * row]
             ends = [e + peer.aligned(b) for e, b in zip(ends, need)]
         ids, rows, grads, ahead_ids = self._peer
@@ -266,13 +288,13 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             out = torch.empty(self.world * n, dtype=torch.int64, device=self.device)
         return torch.add(self._pads[g].unsqueeze(1), spread, out=out.view(self.world, n)).view(-1)
 
-    def _route(self, g: int, flat: Tensor, sizes: list, ahead: bool = False) -> tuple:
+    def _route(self, g: int, flat: Tensor, sizes: list, ahead: bool = False) -> _Routed:
         """(where each id of `flat` sits in the buckets sent, the ids this rank's owners serve)
         for group `g`: one exchange of ids, `sizes[r]` from rank r (`ahead`: a prefetch's, in
         its own peer buffer)."""
         n, world = flat.numel(), self.world
         if world == 1:
-            return torch.arange(n, device=flat.device), flat
+            return _Routed(torch.arange(n, device=flat.device), flat)
         owner = flat % world
         # Each id's place among the ids of its owner, by a running count over the flags "id p
         # is owner o's" laid out owner by owner: one scan of a flat tensor (a scan along the
@@ -284,8 +306,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         before = torch.cat([count.new_zeros(1), ends[:-1]])  # ids of the owners before
         index = owner * n + count[flag] - before[owner] - 1
         if self._peer is not None:
-            buffer = self._peer[3 if ahead else 0]
-            at = (self._ahead_at if ahead else self._peer_at)[g][0]
+            buffer = self._peer.ahead_ids if ahead else self._peer.ids
+            at = (self._ahead_at if ahead else self._peer_at)[g].ids
             send = self._padding(g, n, out=buffer.local(at, (world * n,), torch.int64))
             send.index_copy_(0, index, flat // world)
             buffer.barrier()
@@ -293,11 +315,11 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             received = torch.cat([buffer.remote(r, at + self.rank * sizes[r] * 8, (sizes[r],),
                                                 torch.int64) if sizes[r] else flat.new_empty(0)
                                   for r in range(world)])
-            return index, received
+            return _Routed(index, received)
         send = self._padding(g, n).index_copy_(0, index, flat // world)
         received = torch.empty(sum(sizes), dtype=torch.int64, device=self.comm_device)
         exchange(received, send.to(self.comm_device), sizes, [n] * world, self.group)
-        return index, received.to(self.device)
+        return _Routed(index, received.to(self.device))
 
     @eager
     def forward(self, features) -> dict:
@@ -360,7 +382,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         """(this rank's rows, one per id in its order, read from their owners' served rows in
         place; what step() needs to send the gradients back the same way)."""
         group = self.groups[g]
-        buffer, at = self._peer[1], self._peer_at[g][1]
+        buffer, at = self._peer.rows, self._peer_at[g].rows
         buffer.local(at, tuple(served.shape), served.dtype).copy_(served)
         buffer.barrier()
         owner = index // n if n else index
@@ -390,7 +412,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
             if back is not None:
                 index, source, row_of = back
-                buffer, at = self._peer[2], self._peer_at[g][2]
+                buffer, at = self._peer.grads, self._peer_at[g].grads
                 n = rows.shape[0]
                 buffer.local(at, (self.world * n, grad.shape[1]), grad.dtype) \
                     .index_copy_(0, index, grad)  # bucketed; the padding slots left as they are
@@ -414,10 +436,10 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         if self._peer is not None:
             self._ahead_at = self._peer_layout(sizes, ahead=True)
             if self._ahead_read:  # the peers may still read the last prefetch's ids
-                self._peer[3].barrier()
+                self._peer.ahead_ids.barrier()
             self._ahead_read = True
         for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared[4])):
-            group.prefetch(self._route(g, flat, [row[g] for row in sizes], ahead=True)[1])
+            group.prefetch(self._route(g, flat, [row[g] for row in sizes], ahead=True).served)
 
     @eager
     def discard(self) -> None:

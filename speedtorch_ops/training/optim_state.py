@@ -3,7 +3,7 @@ optimizer keeps, created ahead of its first step so a batch's rows can be swappe
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +29,14 @@ def row_state_keys(optimizer) -> tuple:
 RECORD_ALIGN = 8
 
 
+class Field(NamedTuple):
+    """A field of a row's record: its byte offset, its dtype, and its values (the row's width,
+    or None for one value a row)."""
+    offset: int
+    dtype: torch.dtype
+    count: Optional[int]
+
+
 class RowLayout:
     """A row and its optimizer state as one record of bytes: a table is (rows, 1, record)
     uint8, a staged buffer or a cache (1, n, record). The fields, in this order, each at an
@@ -45,7 +53,7 @@ class RowLayout:
         self.state_dtype = dtype if state_dtype is None else state_dtype
         self.row_keys = tuple(row_keys)
         row_dtype = torch.float64 if self.state_dtype == torch.float64 else torch.float32
-        # name -> (byte offset, dtype, values: dim, or None for one value a row)
+        # name -> its Field
         self.fields: dict = {}
         end = 0
         for name, dt, count in ([("weight", dtype, dim)]
@@ -53,7 +61,7 @@ class RowLayout:
                                 + [(k, row_dtype, None) for k in self.row_keys]):
             size = dt.itemsize
             end = -(-end // size) * size
-            self.fields[name] = (end, dt, count)
+            self.fields[name] = Field(end, dt, count)
             end += size * (1 if count is None else count)
         self.parts = 1
         self.width = -(-end // RECORD_ALIGN) * RECORD_ALIGN  # the record's bytes
@@ -77,7 +85,7 @@ class RowLayout:
 
     def offsets(self, keys) -> list:
         """The byte offsets of `keys`' fields in a record."""
-        return [self.fields[key][0] for key in keys]
+        return [self.fields[key].offset for key in keys]
 
     def update_fields(self, state_keys) -> list:
         """The fused update's `fields`: the weight's offset, the per-row value's (-1: none),

@@ -4,7 +4,7 @@ dtype names as SpeedTorch accepted them; uploads of ids that do not wait for the
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -67,22 +67,29 @@ def next_free_name(stem: str, suffix: str) -> str:
     return f"{stem}{n}{suffix}"
 
 
+class Uploaded(NamedTuple):
+    """Tensors uploaded in one copy: the flat buffer, and a view of it per tensor."""
+    flat: Tensor
+    views: list
+
+
 def upload(values: Tensor, device: torch.device) -> Tensor:
     """A CPU tensor on `device`, queued on the current stream. Through pinned memory: a copy
     from pageable memory would wait for the whole stream."""
     if device.type == "cpu":
         return values
-    return upload_all([values], device)[1][0]
+    (view,) = upload_all([values], device).views
+    return view
 
 
 def upload_all(values: Sequence[Tensor], device: torch.device,
-               out: Optional[Tensor] = None) -> tuple:
+               out: Optional[Tensor] = None) -> Uploaded:
     """CPU tensors of one dtype on the GPU `device` in one copy, queued on the current stream:
-    (one flat buffer, views of it in their shapes). `out`: the flat buffer of an earlier call
+    one flat buffer and views of it in their shapes. `out`: the flat buffer of an earlier call
     with the same shapes, refilled. Several small uploads each cost the host a pinned
     allocation and a launch, and the GPU a copy."""
     if not values:
-        return torch.empty(0, device=device), []
+        return Uploaded(torch.empty(0, device=device), [])
     dtype = values[0].dtype
     if any(v.dtype != dtype for v in values):
         raise TypeError(f"upload_all: values must share one dtype, got "
@@ -104,7 +111,7 @@ def upload_all(values: Sequence[Tensor], device: torch.device,
         # The staging buffer is not reused before the copy ran (torch's pinned allocator
         # records the copy's stream).
         out.copy_(staging, non_blocking=True)
-    return out, [part.view(v.shape) for part, v in zip(out.split(sizes), values)]
+    return Uploaded(out, [part.view(v.shape) for part, v in zip(out.split(sizes), values)])
 
 
 def check_loaded(name: str, loaded_shape, loaded_dtype, shape, dtype: torch.dtype) -> None:
