@@ -36,9 +36,12 @@ from speedtorch_ops.demo.train import (DTYPES, ENGINES, OPTIMIZERS, CollectionTr
 from _workloads import add_skipgram_shape, lazy_adam_, skipgram_corpus
 
 
-def memcpy_gbps(device, nbytes=256 << 20) -> float:
+def memcpy_gbps(device, nbytes=256 << 20, back: bool = False) -> float:
+    """A pinned memcpy's rate, host to GPU (GPU to host with `back`)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if back:
+        src, dst = dst, src
     times = []
     for _ in range(12):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -263,6 +266,13 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     lookups = sum(s1["lookups"] - s0["lookups"] for s0, s1 in zip(stats0, stats1))
     hits = sum(s1["hits"] - s0["hits"] for s0, s1 in zip(stats0, stats1))
     moved = sum(s1["host_bytes"] - s0["host_bytes"] for s0, s1 in zip(stats0, stats1))
+    # Each direction's rows: loads (misses not carried, plus the prefetches' own), write-backs.
+    delta = {k: sum(s1[k] - s0[k] for s0, s1 in zip(stats0, stats1))
+             for k in ("host_loads", "prefetched_loads", "prefetched_rows", "evictions",
+                       "direct_writebacks")}
+    row_bytes = run.embeddings[0].row_bytes
+    loads = delta["host_loads"] - delta["prefetched_loads"] + delta["prefetched_rows"]
+    backs = delta["evictions"] + delta["direct_writebacks"]
     slots = [getattr(emb.store, "slots", 0) for emb in run.embeddings]
     used = batches[a.warmup % len(batches):] if len(batches) > a.warmup else batches
     return {"budget_mb": budget_mb, "mode": mode, "overlap": overlap and budget_mb > 0,
@@ -276,8 +286,27 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
             "oracle_hit_rate": (oracle_hit_rate(used, slots, cache_keys(run, a.vocab))
                                 if slots[0] else 0.0),
             "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
+            "load_bytes_per_step": loads * row_bytes / a.steps,
+            "writeback_bytes_per_step": backs * row_bytes / a.steps,
             "host_ms_per_step": 1e3 * statistics.median(host),
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+
+
+def add_bounds(rows: list, all_on_gpu: float, gbps: float, back_gbps: float) -> None:
+    """The curve's fields of each run: its budget in MiB, steps/s against the captured
+    all-on-GPU step, and its physical bound: the larger of the every-row step (the largest
+    budget's run of its dtype and mode, which should cache every row) and the link's duplex
+    time of its bytes (loads at the host-to-GPU memcpy rate beside write-backs at the
+    GPU-to-host rate); ratio_to_bound = its step time / that bound."""
+    for r in rows:
+        same = [q for q in rows if q["dtype"] == r["dtype"] and q["mode"] == r["mode"]]
+        every = max(same, key=lambda q: q["budget_mb"])
+        every_ms = 1e3 / every["steps_per_s"]
+        link_ms = max(r["load_bytes_per_step"] / gbps,
+                      r["writeback_bytes_per_step"] / back_gbps) / 1e6
+        r.update(budget_mib=r["budget_mb"], x_all_on_gpu=r["steps_per_s"] / all_on_gpu,
+                 every_row_ms=every_ms, link_ms=link_ms, bound_ms=max(every_ms, link_ms),
+                 ratio_to_bound=(1e3 / r["steps_per_s"]) / max(every_ms, link_ms))
 
 
 def sms_label(r) -> str:
@@ -422,9 +451,12 @@ def main() -> None:
         r["x_sparse_adam"] = r["steps_per_s"] / base
         r["x_captured_all_on_gpu"] = r["steps_per_s"] / captured["steps_per_s"]
     gbps = memcpy_gbps(device)
+    back_gbps = memcpy_gbps(device, back=True)
+    add_bounds(rows, captured["steps_per_s"], gbps, back_gbps)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "args": {k: v for k, v in vars(a).items()}, "memcpy_gbps": gbps,
+              "memcpy_back_gbps": back_gbps,
               "baseline_steps_per_s": base, "baseline_gpu_peak_mb": base_peak,
               "captured_baseline_steps_per_s": captured["steps_per_s"],
               "captured_baseline_gpu_peak_mb": captured["gpu_peak_mb"],
@@ -434,12 +466,13 @@ def main() -> None:
           f"({base_peak:,.0f} MiB), the captured all-on-GPU step {captured['steps_per_s']:.1f} "
           f"steps/s ({captured['gpu_peak_mb']:,.0f} MiB)")
     print(f"{'dtype':>8} {'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
-          f"{'MB/step':>8} {'at memcpy ms':>12} {'host ms':>8} {'GPU MiB':>8}")
+          f"{'MB/step':>8} {'at memcpy ms':>12} {'bound ms':>8} {'x bound':>7} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
         print(f"{r['dtype']:>8} {r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
-              f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['host_ms_per_step']:>8.2f} "
+              f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['bound_ms']:>8.3f} "
+              f"{r['ratio_to_bound']:>7.2f} {r['host_ms_per_step']:>8.2f} "
               f"{r['gpu_peak_mb']:>8.0f}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "cache_budget.json"), "w") as f:
@@ -459,6 +492,11 @@ def main() -> None:
         ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
                 label=f"{a.engine} {dtype} + GPU row cache ({mode}, overlap {overlap}, "
                       f"admission {admission})")
+    for dtype in a.dtypes:
+        mine = sorted((r for r in rows if r["dtype"] == dtype and r["mode"] == a.modes[0]),
+                      key=lambda r: r["budget_mb"])
+        ax.plot([r["budget_mb"] for r in mine], [1e3 / r["bound_ms"] for r in mine], "-",
+                alpha=0.6, label=f"{dtype} bound: max(every-row step, duplex link time)")
     ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
     ax.axhline(captured["steps_per_s"], color="black", ls=":",
                label="whole tables on the GPU (the captured step, fused Adam)")
