@@ -66,7 +66,8 @@ class TableConfig:
         num_embeddings, embedding_dim: its rows and their width.
         pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
             HostEmbeddingCollection never pools.
-        feature_names: the batch's keys that look this table up (default: ``[name]``).
+        feature_names: the batch's keys that look this table up (default: ``[name]``); a
+            single string is one feature name (TorchRec's config takes a list only).
         dtype: the table's weights' dtype (default: the collection's).
         state_dtype: its optimizer state's dtype (default: the collection's; None: the
             weights'), as HostEmbedding's ``state_dtype``.
@@ -96,7 +97,9 @@ class TableConfig:
         if self.pooling not in _POOLING:
             raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {_POOLING}, got "
                              f"{self.pooling!r}")
-        names = tuple(self.feature_names) or (self.name,)
+        given = self.feature_names
+        # A string is one name: iterating it would make a feature of each of its letters.
+        names = (given,) if isinstance(given, str) else tuple(given) or (self.name,)
         if any(not isinstance(f, str) or not f for f in names):
             raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
                              f"strings, got {self.feature_names!r}")

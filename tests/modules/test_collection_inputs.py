@@ -1,0 +1,36 @@
+"""The collections' inputs against plain PyTorch: configs, batches of every kind (ours,
+TorchRec-like ones, duck-typed ones, inconsistent ones), weights, freezing, zero-sample batches
+and checkpoints that must load whole or not at all. A bad input raises naming what is wrong and
+writes nothing; a good one gives one nn.EmbeddingBag per table's result (float64)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedtorch_ops as so
+from conftest import HAS_CUDA
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+F64 = torch.float64
+
+
+def collection(cfgs, device="cpu", cls=so.HostEmbeddingBagCollection, **kwargs):
+    return cls(cfgs, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1}, device=device,
+               dtype=F64, **kwargs)
+
+
+def bag_reference(ebc, table, ids, lengths, mode="sum", weights=None):
+    """nn's pooling of `ids` in bags of `lengths` over a copy of the table's weight."""
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    return F.embedding_bag(ids, ebc.table_weight(table).cpu().clone(), offsets, mode=mode,
+                           per_sample_weights=weights, include_last_offset=True)
+
+
+def test_a_string_feature_name_is_one_feature(gen):
+    cfg = so.TableConfig("t", 10, 4, feature_names="user")
+    assert cfg.feature_names == ("user",)
+    ebc = collection([cfg])
+    ids, lengths = torch.randint(0, 10, (5,), generator=gen), torch.tensor([2, 0, 3])
+    out = ebc(so.KeyedJaggedTensor.from_lengths_sync(["user"], ids, lengths))
+    assert list(out) == ["user"]
+    assert torch.allclose(out["user"], bag_reference(ebc, "t", ids, lengths))
