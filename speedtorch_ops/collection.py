@@ -111,6 +111,19 @@ class TableConfig:
                                 f"(float16, bfloat16, float32, float64) or None, got {value!r}")
 
 
+def _scalar_error(name: str, value, current: Tensor) -> Optional[str]:
+    """Why checkpoint entry `name` cannot load into a group's scalar `current` (a number, or a
+    tensor of its shape or of one element), or None: checked with every other entry before
+    any group loads."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None
+    if isinstance(value, Tensor) and (value.shape == current.shape or (
+            current.dim() == 0 and value.numel() == 1)):
+        return None
+    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+    return f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here"
+
+
 class _Group(HostEmbedding):
     """The tables of one width stacked into one HostEmbedding. Its state lives in the
     collection's state_dict under the tables' names, so its own keys are never emitted."""
@@ -583,6 +596,8 @@ class HostEmbeddingBagCollection(nn.Module):
                 if not optional:
                     missing_keys.extend(n for n in names if n not in state_dict)
                 if not rows:  # a group's scalar (a step count): the first table's
+                    errors.extend(filter(None, (_scalar_error(n, state_dict[n], current)
+                                                for n in present)))
                     if present:
                         gathered[key] = state_dict[present[0]]
                     continue

@@ -34,3 +34,25 @@ def test_a_string_feature_name_is_one_feature(gen):
     out = ebc(so.KeyedJaggedTensor.from_lengths_sync(["user"], ids, lengths))
     assert list(out) == ["user"]
     assert torch.allclose(out["user"], bag_reference(ebc, "t", ids, lengths))
+
+
+@pytest.mark.parametrize("bad_table", ["a", "b", "c"])
+@pytest.mark.parametrize("bad_step", [torch.zeros(3), "three", None])
+def test_a_bad_group_scalar_loads_nothing(bad_table, bad_step, gen):
+    """A step count of the wrong shape, or not a number, in any table of any width group (c
+    shares a's group, whose count a's entry gives): the load raises naming that table's key and
+    no group loads (the tables keep their rows)."""
+    ebc = collection([so.TableConfig("a", 10, 4), so.TableConfig("b", 8, 6),
+                      so.TableConfig("c", 5, 4)])
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    checkpoint = {k: torch.randn(v.shape, generator=gen, dtype=F64) if v.dim() else v.clone()
+                  for k, v in before.items()}
+    checkpoint[f"{bad_table}.optimizer.step"] = bad_step
+    with pytest.raises(RuntimeError, match=rf"{bad_table}\.optimizer\.step"):
+        ebc.load_state_dict(checkpoint)
+    after = ebc.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    checkpoint[f"{bad_table}.optimizer.step"] = torch.tensor(3.0)  # still usable
+    ebc.load_state_dict(checkpoint)
+    assert torch.equal(ebc.state_dict()["a.weight"], checkpoint["a.weight"])
