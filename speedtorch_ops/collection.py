@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
+from .jagged import JaggedBatch, read_batch
 from .modules import HostEmbedding
 from .training.checkpoint import load_rows, same_view, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
@@ -269,20 +270,15 @@ class HostEmbeddingBagCollection(nn.Module):
     # ---- a step --------------------------------------------------------------------------
 
     def _layout(self, features) -> tuple:
-        """(values, weights, lengths, stride, where each needed feature's ids start and end in
+        """(the batch's parts, weights, where each needed feature's ids start and end in
         values) of a jagged batch: every feature present. Offsets are not read: the lengths
         place every id and bag."""
-        keys = list(features.keys())
-        values = features.values()
-        if values.dtype not in _INTEGER:
-            raise TypeError(f"features: values must be integer ids, got {values.dtype}")
-        per_key = features.length_per_key() if hasattr(features, "length_per_key") else None
-        stride = features.stride() if hasattr(features, "stride") else \
-            len(features.lengths()) // max(len(keys), 1)
-        lengths = features.lengths()
-        if per_key is None:
-            per_key = lengths.view(len(keys), stride).sum(1).tolist()
-        starts = np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)])
+        batch = read_batch(features)
+        keys = batch.keys
+        for name, t in (("values", batch.values), ("lengths", batch.lengths)):
+            if t.dtype not in _INTEGER:
+                raise TypeError(f"features: {name} must be integers, got {t.dtype}")
+        starts = np.concatenate([[0], np.cumsum(batch.length_per_key, dtype=np.int64)])
         at = {}
         for f in self.features:
             if f.name not in keys:
@@ -290,27 +286,30 @@ class HostEmbeddingBagCollection(nn.Module):
             i = keys.index(f.name)
             at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
         weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
-        return values, weights, lengths, stride, at
+        return batch, weights, at
 
-    def _check(self, values: Tensor, lengths: Tensor, stride: int, at: dict) -> None:
-        """Each feature's ids in its table's rows and its lengths >= 0, naming the feature: on
-        the host, or with one wait for a batch on a GPU (none when prechecked)."""
+    def _check(self, batch: JaggedBatch, at: dict) -> None:
+        """Each feature's ids in its table's rows and every key's lengths >= 0 (a key not read
+        places the ids after it too), naming the feature: on the host, or with one wait for a
+        batch on a GPU (none when prechecked)."""
+        values, lengths, stride = batch.values, batch.lengths, batch.stride
         on_gpu = values.device.type == "cuda"
         if on_gpu and self.bounds_check == "prechecked":
             return
         flags = []
         for f in self.features:
-            i, lo, hi = at[f.name]
+            _, lo, hi = at[f.name]
             rows = self.tables[f.table].num_embeddings
             ids = values[lo:hi]
-            flags += [((ids < 0) | (ids >= rows)).any(),
-                      (lengths[i * stride:(i + 1) * stride] < 0).any()]
-        bad = torch.stack(flags).cpu().tolist() if flags else []
+            flags.append(((ids < 0) | (ids >= rows)).any())
+        negative = (lengths.view(len(batch.keys), stride) < 0).any(1)
+        bad = torch.cat([torch.stack(flags), negative]).cpu().tolist()
+        for key, flag in zip(batch.keys, bad[len(flags):]):
+            if flag:
+                raise ValueError(f"features: feature {key!r} has a negative length")
         for k, f in enumerate(self.features):
-            i, lo, hi = at[f.name]
-            if bad[2 * k + 1]:
-                raise ValueError(f"features: feature {f.name!r} has a negative length")
-            if bad[2 * k]:
+            _, lo, hi = at[f.name]
+            if bad[k]:
                 rows = self.tables[f.table].num_embeddings
                 ids = values[lo:hi].cpu()
                 p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
@@ -352,13 +351,14 @@ class HostEmbeddingBagCollection(nn.Module):
         """A forward's input checked and laid out: (weights, lengths, stride, where each
         feature's ids are, per group (features, flat group rows, starts)); `pooling`: check
         what the pooling needs too (a prefetch only loads rows)."""
-        values, weights, lengths, stride, at = self._layout(features)
-        self._check(values, lengths, stride, at)
+        batch, weights, at = self._layout(features)
+        self._check(batch, at)
         for f in self.features:
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
-        return weights, lengths, stride, at, self._group_ids(values, at, self.device)
+        return (weights, batch.lengths, batch.stride, at,
+                self._group_ids(batch.values, at, self.device))
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows

@@ -9,7 +9,7 @@ in that order; ``offsets`` the exclusive prefix sums of ``lengths`` (one more en
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -142,3 +142,47 @@ class KeyedJaggedTensor:
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "
                 f"values={len(self._values)} ids)")
+
+
+class JaggedBatch(NamedTuple):
+    """A jagged batch's parts as a collection reads them (see ``read_batch``)."""
+    keys: List[str]
+    values: Tensor
+    lengths: Tensor
+    stride: int
+    length_per_key: List[int]   # ids per key, host ints: where each key's ids are in values
+
+
+def read_batch(features) -> JaggedBatch:
+    """The parts of any jagged batch (this module's ``KeyedJaggedTensor``, TorchRec's, or an
+    object with ``keys()``, ``values()``, ``lengths()`` and optionally ``stride()`` and
+    ``length_per_key()``), their shapes checked on the host: `values` and `lengths` 1-D,
+    ``stride x keys`` lengths, ids per key summing to the values. Errors name ``features`` and
+    what is wrong. Whether the ids per key agree with the lengths needs the lengths' values:
+    the caller checks it where it reads them."""
+    if isinstance(features, dict) or not all(callable(getattr(features, name, None))
+                                             for name in ("keys", "values", "lengths")):
+        raise TypeError("features must be a KeyedJaggedTensor (speedtorch_ops' or TorchRec's) "
+                        "or an object with keys(), values() and lengths(), got "
+                        f"{type(features).__name__}")
+    keys, values, lengths = list(features.keys()), features.values(), features.lengths()
+    for name, t in (("values", values), ("lengths", lengths)):
+        if not isinstance(t, Tensor) or t.dim() != 1:
+            got = f"{t.dim()}-D" if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"features: {name}() must be a 1-D tensor, got {got}")
+    stride = int(features.stride()) if hasattr(features, "stride") else \
+        len(lengths) // max(len(keys), 1)
+    if stride < 0 or len(lengths) != stride * len(keys):
+        raise ValueError(f"features: lengths must hold stride x keys = {stride} x {len(keys)} "
+                         f"entries (keys {keys}), got {len(lengths)}")
+    if hasattr(features, "length_per_key"):
+        per_key = [int(n) for n in features.length_per_key()]
+    else:  # one wait for lengths on a GPU
+        per_key = [int(n) for n in lengths.view(len(keys), stride).sum(1).tolist()]
+    if len(per_key) != len(keys):
+        raise ValueError(f"features: length_per_key must hold a count for each of the keys "
+                         f"{keys}, got {per_key}")
+    if sum(per_key) != len(values):
+        raise ValueError(f"features: the lengths of the keys {keys} cover {sum(per_key)} ids "
+                         f"({dict(zip(keys, per_key))}), values hold {len(values)}")
+    return JaggedBatch(keys, values, lengths, stride, per_key)

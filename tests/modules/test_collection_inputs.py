@@ -56,3 +56,62 @@ def test_a_bad_group_scalar_loads_nothing(bad_table, bad_step, gen):
     checkpoint[f"{bad_table}.optimizer.step"] = torch.tensor(3.0)  # still usable
     ebc.load_state_dict(checkpoint)
     assert torch.equal(ebc.state_dict()["a.weight"], checkpoint["a.weight"])
+
+
+class Batch:
+    """A duck-typed jagged batch: only the methods given (a TorchRec-like batch, or less)."""
+
+    def __init__(self, keys, values, lengths, **methods):
+        self._parts = {"keys": list(keys), "values": values, "lengths": lengths, **methods}
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name not in self._parts:
+            raise AttributeError(name)
+        return lambda: self._parts[name]
+
+
+def two_features(gen, device="cpu"):
+    """A collection of tables a (feature a) and b (features b1, b2), the ids of a good batch
+    (stride 3) and its lengths."""
+    ebc = collection([so.TableConfig("a", 10, 4),
+                      so.TableConfig("b", 12, 4, pooling="mean", feature_names=["b1", "b2"])],
+                     device)
+    lengths = torch.tensor([2, 0, 1, 1, 3, 0, 2, 1, 1])
+    values = torch.randint(0, 10, (int(lengths.sum()),), generator=gen)
+    return ebc, ["a", "b1", "b2"], values.to(device), lengths.to(device)
+
+
+def assert_refused(ebc, features, error, match):
+    """`features` raises `error` matching `match`, and the collection is unchanged."""
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    with pytest.raises(error, match=match):
+        out = ebc(features)
+        sum(o.sum() for o in out.values()).backward()
+        ebc.step()
+    after = ebc.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_any_batch_type_is_checked(device, gen):
+    """A duck-typed batch: ids past what the lengths cover, a stride that does not fit the
+    lengths, non-integer lengths, a negative length in a key the collection does not read, and a
+    dict raise, naming what is wrong; nothing is written; a good duck-typed batch gives nn's
+    result."""
+    ebc, keys, values, lengths = two_features(gen, device)
+    extra = torch.cat([values, values[:2]])
+    assert_refused(ebc, Batch(keys, extra, lengths), ValueError, r"cover 11 ids.*values hold 13")
+    assert_refused(ebc, Batch(keys, values, lengths, stride=2), ValueError,
+                   r"stride x keys = 2 x 3")
+    assert_refused(ebc, Batch(keys, values, lengths.double()), TypeError, "lengths must be int")
+    unread = Batch(keys + ["x"], values, torch.cat([lengths, lengths.new_tensor([1, -1, 0])]))
+    assert_refused(ebc, unread, ValueError, "feature 'x' has a negative length")
+    assert_refused(ebc, {"a": values}, TypeError, r"KeyedJaggedTensor.*got dict")
+    out = ebc(Batch(keys, values, lengths))
+    bags = lengths.cpu().view(3, 3)
+    at = torch.cumsum(bags.sum(1), 0).tolist()
+    ids = values.cpu().split([at[0], at[1] - at[0], at[2] - at[1]])
+    for (f, table, mode), piece, bag in zip([("a", "a", "sum"), ("b1", "b", "mean"),
+                                             ("b2", "b", "mean")], ids, bags):
+        assert torch.allclose(out[f].cpu(), bag_reference(ebc, table, piece, bag, mode)), f
