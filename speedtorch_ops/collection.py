@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
-from .jagged import JaggedBatch, read_batch
+from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .modules import HostEmbedding
 from .training.checkpoint import load_rows, same_view, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
@@ -289,9 +289,9 @@ class HostEmbeddingBagCollection(nn.Module):
         return batch, weights, at
 
     def _check(self, batch: JaggedBatch, at: dict) -> None:
-        """Each feature's ids in its table's rows and every key's lengths >= 0 (a key not read
-        places the ids after it too), naming the feature: on the host, or with one wait for a
-        batch on a GPU (none when prechecked)."""
+        """Each feature's ids in its table's rows, every key's lengths >= 0 and summing to the
+        batch's ids of that key (a key not read places the ids after it too), naming the
+        feature: on the host, or with one wait for a batch on a GPU (none when prechecked)."""
         values, lengths, stride = batch.values, batch.lengths, batch.stride
         on_gpu = values.device.type == "cuda"
         if on_gpu and self.bounds_check == "prechecked":
@@ -302,11 +302,16 @@ class HostEmbeddingBagCollection(nn.Module):
             rows = self.tables[f.table].num_embeddings
             ids = values[lo:hi]
             flags.append(((ids < 0) | (ids >= rows)).any())
-        negative = (lengths.view(len(batch.keys), stride) < 0).any(1)
-        bad = torch.cat([torch.stack(flags), negative]).cpu().tolist()
-        for key, flag in zip(batch.keys, bad[len(flags):]):
+        per_key = lengths.view(len(batch.keys), stride)
+        bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
+                        ).to(torch.int64).cpu().tolist()
+        keys = len(batch.keys)
+        for key, flag in zip(batch.keys, bad[len(flags):len(flags) + keys]):
             if flag:
                 raise ValueError(f"features: feature {key!r} has a negative length")
+        wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[len(flags) + keys:])
+        if wrong:  # a batch's own count read ids of another feature
+            raise ValueError(f"features: {wrong}")
         for k, f in enumerate(self.features):
             _, lo, hi = at[f.name]
             if bad[k]:

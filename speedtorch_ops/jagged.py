@@ -27,7 +27,9 @@ class KeyedJaggedTensor:
         stride: samples per key (default: ``len(lengths) // len(keys)``).
         length_per_key: ids per key (host ints). Given, nothing is read back from a GPU (a CUDA
             graph can capture a step that builds the batch); otherwise computed from the lengths
-            on first use (one wait when they are on a GPU).
+            on first use (one wait when they are on a GPU). Counts that contradict the lengths
+            raise, naming the feature: here for lengths on the host, in the collection's check
+            for lengths on a GPU.
 
     Example::
 
@@ -81,6 +83,11 @@ class KeyedJaggedTensor:
             if len(length_per_key) != len(self._keys) or sum(length_per_key) != len(values):
                 raise ValueError(f"length_per_key must hold one count a key summing to "
                                  f"len(values) = {len(values)}, got {length_per_key}")
+            if lengths.device.type == "cpu":  # no wait to check; on a GPU the collection does
+                sums = lengths.view(len(self._keys), stride).sum(1).tolist()
+                wrong = per_key_mismatch(self._keys, length_per_key, sums)
+                if wrong:
+                    raise ValueError(wrong)
         self._values, self._weights = values, weights
         self._lengths, self._offsets = lengths, offsets
         self._stride = int(stride)
@@ -142,6 +149,17 @@ class KeyedJaggedTensor:
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "
                 f"values={len(self._values)} ids)")
+
+
+def per_key_mismatch(keys: Sequence[str], length_per_key: Sequence[int],
+                     sums: Sequence[int]) -> Optional[str]:
+    """Why ids per key `length_per_key` contradict the lengths' sums per key `sums` (naming the
+    first feature that differs), or None."""
+    for key, given, counted in zip(keys, length_per_key, sums):
+        if given != counted:
+            return (f"length_per_key gives feature {key!r} {given} ids, its lengths sum to "
+                    f"{counted}")
+    return None
 
 
 class JaggedBatch(NamedTuple):

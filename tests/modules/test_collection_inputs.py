@@ -115,3 +115,24 @@ def test_any_batch_type_is_checked(device, gen):
     for (f, table, mode), piece, bag in zip([("a", "a", "sum"), ("b1", "b", "mean"),
                                              ("b2", "b", "mean")], ids, bags):
         assert torch.allclose(out[f].cpu(), bag_reference(ebc, table, piece, bag, mode)), f
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_length_per_key_must_agree_with_the_lengths(device, gen):
+    """length_per_key that moves ids from one feature to another (same total) raises naming
+    length_per_key and the feature: our batch refuses it at once for lengths on the host (on a
+    GPU it cannot look without a wait), the collection for any batch type; nothing is
+    written."""
+    ebc, keys, values, lengths = two_features(gen, device)
+    wrong = [5, 1, 5]  # the lengths give a 3, b1 4, b2 4
+    if device == "cpu":
+        with pytest.raises(ValueError, match="length_per_key gives feature 'a' 5 ids.* 3"):
+            so.KeyedJaggedTensor(keys, values, lengths=lengths, length_per_key=wrong)
+    else:
+        kjt = so.KeyedJaggedTensor(keys, values, lengths=lengths, length_per_key=wrong)
+        assert_refused(ebc, kjt, ValueError, "length_per_key gives feature 'a' 5 ids")
+    assert_refused(ebc, Batch(keys, values, lengths, length_per_key=wrong), ValueError,
+                   "length_per_key gives feature 'a' 5 ids, its lengths sum to 3")
+    right = so.KeyedJaggedTensor(keys, values, lengths=lengths, length_per_key=[3, 4, 4])
+    assert torch.allclose(ebc(right)["a"].cpu(),
+                          bag_reference(ebc, "a", values.cpu()[:3], lengths.cpu()[:3]))
