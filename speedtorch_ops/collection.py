@@ -18,8 +18,9 @@ shares its optimizer and hyper-parameters; the cache budget is split between the
 their bytes. Several features may share a table.
 
 ``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()`` (the
-bags and each feature's ids follow from them) and ``weights()`` (per-sample weights of
-sum-pooled features), TorchRec's
+bags and each feature's ids follow from them) and, for a collection built
+``is_weighted=True``, ``weights()`` (per-sample weights of sum-pooled features; ignored
+otherwise, as TorchRec's), TorchRec's
 ``KeyedJaggedTensor`` or ``speedtorch_ops.KeyedJaggedTensor``; keys the collection does not
 know are ignored, a feature it needs and does not find raises. It returns a dict from feature
 name to ``(stride, D)`` (pooled; an empty bag gives zeros) or ``(ids of the feature, D)``
@@ -165,6 +166,10 @@ class HostEmbeddingBagCollection(nn.Module):
             each table's own dtype; float64 tables keep float64 state), as HostEmbedding's.
         stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
             fused updates stochastically unless False).
+        is_weighted: as TorchRec's: True, the batch's per-id weights (``weights_or_none()`` or
+            ``weights()``; required) weigh the sum-pooled features' ids, in the table's dtype or
+            float32 (TorchRec's; cast to the table's); False, a batch's weights are ignored, as
+            TorchRec's ``EmbeddingBagCollection`` ignores them.
 
     Returns (forward): ``{feature: (stride, D)}`` for pooled tables, ``(ids of the feature,
     D)`` for ``pooling="none"``, in the order of the tables' features.
@@ -183,8 +188,8 @@ class HostEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", dtype=torch.float32,
-                 stochastic_rounding: Optional[bool] = None, state_dtype=None, _held_rows=None,
-                 _spare_rows=0):
+                 stochastic_rounding: Optional[bool] = None, state_dtype=None,
+                 is_weighted: bool = False, _held_rows=None, _spare_rows=0):
         # _held_rows: the rows of each table this module holds (a sharded collection's rank
         # holds a part of each), default all; _spare_rows: rows each group holds past its
         # tables' (a sharded group's padding row).
@@ -199,6 +204,12 @@ class HostEmbeddingBagCollection(nn.Module):
         check_bounds_mode(bounds_check)
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if not isinstance(is_weighted, bool):
+            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+        if is_weighted and not self._pooled:
+            raise ValueError(f"is_weighted: {type(self).__name__} never pools, so it takes no "
+                             "weights (as TorchRec's EmbeddingCollection)")
+        self._is_weighted = is_weighted
         self.tables = tables
         self._rows = list(_held_rows) if _held_rows is not None else \
             [t.num_embeddings for t in tables]
@@ -258,6 +269,10 @@ class HostEmbeddingBagCollection(nn.Module):
     def device(self) -> torch.device:
         return self.groups[0].device
 
+    def is_weighted(self) -> bool:
+        """Whether a batch's weights weigh the ids (TorchRec's method)."""
+        return self._is_weighted
+
     @property
     def dtype(self) -> torch.dtype:
         """The collection's dtype: that of the tables whose TableConfig names none (as a
@@ -273,7 +288,7 @@ class HostEmbeddingBagCollection(nn.Module):
         """(the batch's parts, weights, where each needed feature's ids start and end in
         values) of a jagged batch: every feature present. Offsets are not read: the lengths
         place every id and bag."""
-        batch = read_batch(features)
+        batch = read_batch(features, self._is_weighted)
         keys = batch.keys
         for name, t in (("values", batch.values), ("lengths", batch.lengths)):
             if t.dtype not in _INTEGER:
@@ -285,8 +300,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
             i = keys.index(f.name)
             at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
-        weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
-        return batch, weights, at
+        return batch, batch.weights, at
 
     def _check(self, batch: JaggedBatch, at: dict) -> None:
         """Each feature's ids in its table's rows, every key's lengths >= 0 and summing to the
@@ -362,6 +376,12 @@ class HostEmbeddingBagCollection(nn.Module):
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
+            table_dtype = self.groups[self._group_of[f.table]].dtype
+            if pooling and weights is not None and f.pooling == "sum" and \
+                    weights.dtype not in (table_dtype, torch.float32):
+                raise TypeError(f"feature {f.name!r}: weights must be floating point in its "
+                                f"table's dtype {table_dtype} (as nn.EmbeddingBag) or float32 "
+                                f"(TorchRec's), got {weights.dtype}")
         return (weights, batch.lengths, batch.stride, at,
                 self._group_ids(batch.values, at, self.device))
 

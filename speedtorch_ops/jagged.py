@@ -169,15 +169,18 @@ class JaggedBatch(NamedTuple):
     lengths: Tensor
     stride: int
     length_per_key: List[int]   # ids per key, host ints: where each key's ids are in values
+    weights: Optional[Tensor]   # per-id weights, read only for a weighted collection
 
 
-def read_batch(features) -> JaggedBatch:
+def read_batch(features, weighted: bool = False) -> JaggedBatch:
     """The parts of any jagged batch (this module's ``KeyedJaggedTensor``, TorchRec's, or an
     object with ``keys()``, ``values()``, ``lengths()`` and optionally ``stride()`` and
     ``length_per_key()``), their shapes checked on the host: `values` and `lengths` 1-D,
-    ``stride x keys`` lengths, ids per key summing to the values. Errors name ``features`` and
-    what is wrong. Whether the ids per key agree with the lengths needs the lengths' values:
-    the caller checks it where it reads them."""
+    ``stride x keys`` lengths, ids per key summing to the values. `weighted`: the batch's
+    weights (``weights_or_none()``, else TorchRec's ``weights()``) are required, one a value;
+    otherwise they are not read. Errors name ``features`` and what is wrong. Whether the ids
+    per key agree with the lengths needs the lengths' values: the caller checks it where it
+    reads them."""
     if isinstance(features, dict) or not all(callable(getattr(features, name, None))
                                              for name in ("keys", "values", "lengths")):
         raise TypeError("features must be a KeyedJaggedTensor (speedtorch_ops' or TorchRec's) "
@@ -203,4 +206,24 @@ def read_batch(features) -> JaggedBatch:
     if sum(per_key) != len(values):
         raise ValueError(f"features: the lengths of the keys {keys} cover {sum(per_key)} ids "
                          f"({dict(zip(keys, per_key))}), values hold {len(values)}")
-    return JaggedBatch(keys, values, lengths, stride, per_key)
+    return JaggedBatch(keys, values, lengths, stride, per_key,
+                       _read_weights(features, len(values)) if weighted else None)
+
+
+def _read_weights(features, count: int) -> Tensor:
+    """A weighted collection's batch weights: present, one a value (their dtype is checked
+    against each feature's table by the collection)."""
+    for name in ("weights_or_none", "weights"):  # TorchRec's weights() raises without any
+        if callable(getattr(features, name, None)):
+            weights = getattr(features, name)()
+            break
+    else:
+        weights = None
+    if weights is None:
+        raise ValueError("features: the collection is built with is_weighted=True: the batch "
+                         "must carry weights (weights_or_none() or weights())")
+    if not isinstance(weights, Tensor) or tuple(weights.shape) != (count,):
+        got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"features: weights must be a tensor of values' shape ({count},), got "
+                         f"{got}")
+    return weights

@@ -136,3 +136,47 @@ def test_length_per_key_must_agree_with_the_lengths(device, gen):
     right = so.KeyedJaggedTensor(keys, values, lengths=lengths, length_per_key=[3, 4, 4])
     assert torch.allclose(ebc(right)["a"].cpu(),
                           bag_reference(ebc, "a", values.cpu()[:3], lengths.cpu()[:3]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_follow_is_weighted(device, gen):
+    """As TorchRec: built is_weighted=True, the batch's weights weigh the sum-pooled ids (read
+    from weights_or_none() or TorchRec's weights()) and are required; built without, a batch's
+    weights are ignored. Weights nn.EmbeddingBag would refuse (integers, another floating dtype
+    than the table's, but TorchRec's float32) raise naming the feature."""
+    cfgs = [so.TableConfig("a", 10, 4), so.TableConfig("c", 10, 4, pooling="none")]
+    lengths = torch.tensor([2, 0, 3, 1, 1, 2])
+    values = torch.randint(0, 10, (9,), generator=gen)
+    w = torch.rand(9, generator=gen, dtype=F64)
+    place = dict(values=values.to(device), lengths=lengths.to(device))
+
+    def check(ebc, out, weights):
+        want = bag_reference(ebc, "a", values[:5], lengths[:3],
+                             weights=None if weights is None else weights[:5])
+        assert torch.allclose(out["a"].cpu(), want)
+        assert torch.equal(out["c"].cpu(), ebc.table_weight("c").cpu()[values[5:]])
+
+    weighted = collection(cfgs, device, is_weighted=True)
+    assert weighted.is_weighted()
+    torchrec_like = Batch(["a", "c"], weights=w.to(device), **place)  # weights() only
+    check(weighted, weighted(torchrec_like), w)
+    ours = so.KeyedJaggedTensor(["a", "c"], weights=w.to(device), **place)
+    check(weighted, weighted(ours), w)
+    plain = collection(cfgs, device)
+    check(plain, plain(ours), None)  # ignored, as TorchRec's
+    check(plain, plain(torchrec_like), None)
+    assert_refused(weighted, Batch(["a", "c"], **place), ValueError, "is_weighted=True")
+    for dtype in (torch.int64, torch.float16, torch.bfloat16):
+        bad = so.KeyedJaggedTensor(["a", "c"], weights=w.to(device, dtype), **place)
+        assert_refused(weighted, bad, TypeError, rf"feature 'a'.*{dtype}")
+    f32 = so.KeyedJaggedTensor(["a", "c"], weights=w.float().to(device), **place)
+    check(weighted, weighted(f32), w.float().double())
+    single = collection([so.TableConfig("a", 10, 4, dtype=torch.float32)], device,
+                        is_weighted=True)
+    a_only = so.KeyedJaggedTensor(["a"], values[:5].to(device), w[:5].to(device),
+                                  lengths=lengths[:3].to(device))
+    assert_refused(single, a_only, TypeError, r"feature 'a'.*torch.float64")
+    with pytest.raises(ValueError, match="is_weighted"):
+        collection(cfgs, device, cls=so.HostEmbeddingCollection, is_weighted=True)
+    with pytest.raises(TypeError, match="is_weighted"):
+        collection(cfgs, device, is_weighted="yes")
