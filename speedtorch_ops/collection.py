@@ -501,6 +501,15 @@ class HostEmbeddingBagCollection(nn.Module):
         for group in self.groups:
             group.discard()
 
+    def requires_grad_(self, requires_grad: bool = True) -> "HostEmbeddingBagCollection":
+        """``requires_grad_(False)`` freezes every table (forwards only read; ``step()`` does
+        nothing), ``True`` unfreezes them, as ``HostEmbedding.requires_grad_``; nn's flag for
+        any other parameters (the tables are not parameters: nn's walk would miss them)."""
+        super().requires_grad_(requires_grad)
+        for group in self.groups:
+            group.requires_grad_(requires_grad)
+        return self
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
             group.zero_grad(set_to_none)

@@ -180,3 +180,42 @@ def test_weights_follow_is_weighted(device, gen):
         collection(cfgs, device, cls=so.HostEmbeddingCollection, is_weighted=True)
     with pytest.raises(TypeError, match="is_weighted"):
         collection(cfgs, device, is_weighted="yes")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_requires_grad_freezes_every_table(device, gen):
+    """requires_grad_(False) on the collection freezes every table as on nn.EmbeddingBags (the
+    outputs need no grad, a step writes nothing); requires_grad_(True) trains again, one step
+    equal to torch's Adam on an nn.EmbeddingBag per table."""
+    ebc, keys, values, lengths = two_features(gen, device)
+    kjt = so.KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+    refs = {t: torch.nn.EmbeddingBag.from_pretrained(ebc.table_weight(t).cpu().clone(),
+                                                     freeze=False, mode=m,
+                                                     include_last_offset=True)
+            for t, m in (("a", "sum"), ("b", "mean"))}
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    assert ebc.requires_grad_(False) is ebc
+    for ref in refs.values():
+        ref.requires_grad_(False)
+    out = ebc(kjt)
+    assert not any(o.requires_grad for o in out.values())
+    ebc.step()
+    after = ebc.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    ebc.requires_grad_(True)
+    for ref in refs.values():
+        ref.requires_grad_(True)
+    opt = torch.optim.Adam([r.weight for r in refs.values()], lr=0.1)
+    out = ebc(kjt)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths.cpu(), 0)])
+    want = {}
+    for i, (f, t) in enumerate(zip(keys, ["a", "b", "b"])):  # stride 3
+        bags = offsets[3 * i:3 * i + 4]
+        want[f] = refs[t](values.cpu()[int(bags[0]):int(bags[-1])], bags - bags[0])
+    sum((o.cpu() * (k + 1)).sum() for k, o in enumerate(out.values())).backward()
+    sum((want[f] * (k + 1)).sum() for k, f in enumerate(out)).backward()
+    ebc.step()
+    opt.step()
+    for t, ref in refs.items():
+        assert torch.allclose(ebc.table_weight(t).cpu(), ref.weight), t
