@@ -442,7 +442,8 @@ class HostEmbeddingBagCollection(nn.Module):
                     psw = psw.to(self.device, group.dtype)
                 pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
                                          per_sample_weights=psw, include_last_offset=True)
-                for (f, _), piece in zip(mine, pooled.split(stride)):
+                # sizes, not a split size: a split of size 0 gives no piece at all
+                for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece
         return {f.name: outputs[f.name] for f in self.features}
 

@@ -219,3 +219,33 @@ def test_requires_grad_freezes_every_table(device, gen):
     opt.step()
     for t, ref in refs.items():
         assert torch.allclose(ebc.table_weight(t).cpu(), ref.weight), t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [so.HostEmbeddingBagCollection, so.HostEmbeddingCollection])
+def test_a_batch_of_zero_samples(cls, device):
+    """Stride 0 with two features of one pooling in one width group (and more): each feature
+    gives nn's empty output ((0, D)); a step after it changes no row (its group's step count
+    counts it, as every step)."""
+    cfgs = [so.TableConfig("a", 10, 4, feature_names=["a1", "a2"]),
+            so.TableConfig("b", 12, 4, pooling="mean", feature_names=["b1", "b2"]),
+            so.TableConfig("c", 8, 6, pooling="none")]
+    ebc = collection(cfgs, device, cls)
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    keys = ["a1", "a2", "b1", "b2", "c"]
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    out = ebc(so.KeyedJaggedTensor.from_lengths_sync(keys, empty, empty))
+    nothing = torch.zeros(0, dtype=torch.int64)
+    for f, t in zip(keys, ["a", "a", "b", "b", "c"]):
+        mode = cfgs[["a", "b", "c"].index(t)].pooling if cls is so.HostEmbeddingBagCollection \
+            else "none"
+        weight = ebc.table_weight(t).cpu()
+        want = F.embedding(nothing, weight) if mode == "none" else \
+            F.embedding_bag(nothing, weight, torch.zeros(1, dtype=torch.int64), mode=mode,
+                            include_last_offset=True)
+        assert out[f].shape == want.shape and out[f].dtype == want.dtype, f
+    sum(o.sum() for o in out.values()).backward()
+    ebc.step()
+    after = ebc.state_dict()
+    for key, value in before.items():
+        assert value.dim() == 0 or torch.equal(after[key], value), key
