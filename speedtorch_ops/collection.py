@@ -113,17 +113,30 @@ class TableConfig:
                                 f"(float16, bfloat16, float32, float64) or None, got {value!r}")
 
 
-def _scalar_error(name: str, value, current: Tensor) -> Optional[str]:
-    """Why checkpoint entry `name` cannot load into a group's scalar `current` (a number, or a
-    tensor of its shape or of one element), or None: checked with every other entry before
-    any group loads."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None
-    if isinstance(value, Tensor) and (value.shape == current.shape or (
-            current.dim() == 0 and value.numel() == 1)):
-        return None
-    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-    return f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here"
+def _scalar_errors(state_dict: dict, names: list, current: Tensor) -> list:
+    """Why checkpoint entries `names` cannot load into a group's scalar `current` (each must be
+    a number, or a tensor of its shape or of one element): checked with every other entry
+    before any group loads."""
+    errors = []
+    for name in names:
+        value = state_dict[name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) or \
+                isinstance(value, Tensor) and (value.shape == current.shape or (
+                    current.dim() == 0 and value.numel() == 1)):
+            continue
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        errors.append(f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here")
+    return errors
+
+
+def _checked_weighted(is_weighted, cls) -> bool:
+    """A collection's `is_weighted`: a bool, False for one that never pools."""
+    if not isinstance(is_weighted, bool):
+        raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+    if is_weighted and not cls._pooled:
+        raise ValueError(f"is_weighted: {cls.__name__} never pools, so it takes no weights (as "
+                         "TorchRec's EmbeddingCollection)")
+    return is_weighted
 
 
 class _Group(HostEmbedding):
@@ -204,12 +217,7 @@ class HostEmbeddingBagCollection(nn.Module):
         check_bounds_mode(bounds_check)
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
-        if not isinstance(is_weighted, bool):
-            raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
-        if is_weighted and not self._pooled:
-            raise ValueError(f"is_weighted: {type(self).__name__} never pools, so it takes no "
-                             "weights (as TorchRec's EmbeddingCollection)")
-        self._is_weighted = is_weighted
+        self._is_weighted = _checked_weighted(is_weighted, type(self))
         self.tables = tables
         self._rows = list(_held_rows) if _held_rows is not None else \
             [t.num_embeddings for t in tables]
@@ -316,14 +324,14 @@ class HostEmbeddingBagCollection(nn.Module):
             rows = self.tables[f.table].num_embeddings
             ids = values[lo:hi]
             flags.append(((ids < 0) | (ids >= rows)).any())
-        per_key = lengths.view(len(batch.keys), stride)
+        per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
         bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
                         ).to(torch.int64).cpu().tolist()
-        keys = len(batch.keys)
-        for key, flag in zip(batch.keys, bad[len(flags):len(flags) + keys]):
+        split = len(flags) + len(batch.keys)  # ids flags, negative flags, sums
+        for key, flag in zip(batch.keys, bad[len(flags):split]):
             if flag:
                 raise ValueError(f"features: feature {key!r} has a negative length")
-        wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[len(flags) + keys:])
+        wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
         if wrong:  # a batch's own count read ids of another feature
             raise ValueError(f"features: {wrong}")
         for k, f in enumerate(self.features):
@@ -631,8 +639,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 if not optional:
                     missing_keys.extend(n for n in names if n not in state_dict)
                 if not rows:  # a group's scalar (a step count): the first table's
-                    errors.extend(filter(None, (_scalar_error(n, state_dict[n], current)
-                                                for n in present)))
+                    errors += _scalar_errors(state_dict, present, current)
                     if present:
                         gathered[key] = state_dict[present[0]]
                     continue

@@ -84,7 +84,7 @@ class KeyedJaggedTensor:
                 raise ValueError(f"length_per_key must hold one count a key summing to "
                                  f"len(values) = {len(values)}, got {length_per_key}")
             if lengths.device.type == "cpu":  # no wait to check; on a GPU the collection does
-                sums = lengths.view(len(self._keys), stride).sum(1).tolist()
+                sums = lengths.reshape(len(self._keys), stride).sum(1).tolist()
                 wrong = per_key_mismatch(self._keys, length_per_key, sums)
                 if wrong:
                     raise ValueError(wrong)
@@ -181,8 +181,7 @@ def read_batch(features, weighted: bool = False) -> JaggedBatch:
     otherwise they are not read. Errors name ``features`` and what is wrong. Whether the ids
     per key agree with the lengths needs the lengths' values: the caller checks it where it
     reads them."""
-    if isinstance(features, dict) or not all(callable(getattr(features, name, None))
-                                             for name in ("keys", "values", "lengths")):
+    if not all(callable(getattr(features, name, None)) for name in ("keys", "values", "lengths")):
         raise TypeError("features must be a KeyedJaggedTensor (speedtorch_ops' or TorchRec's) "
                         "or an object with keys(), values() and lengths(), got "
                         f"{type(features).__name__}")
@@ -199,7 +198,7 @@ def read_batch(features, weighted: bool = False) -> JaggedBatch:
     if hasattr(features, "length_per_key"):
         per_key = [int(n) for n in features.length_per_key()]
     else:  # one wait for lengths on a GPU
-        per_key = [int(n) for n in lengths.view(len(keys), stride).sum(1).tolist()]
+        per_key = [int(n) for n in lengths.reshape(len(keys), stride).sum(1).tolist()]
     if len(per_key) != len(keys):
         raise ValueError(f"features: length_per_key must hold a count for each of the keys "
                          f"{keys}, got {per_key}")
