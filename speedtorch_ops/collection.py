@@ -114,9 +114,8 @@ class TableConfig:
 
 
 def _scalar_errors(state_dict: dict, names: list, current: Tensor) -> list:
-    """Why checkpoint entries `names` cannot load into a group's scalar `current` (each must be
-    a number, or a tensor of its shape or of one element): checked with every other entry
-    before any group loads."""
+    """Why checkpoint entries `names` cannot load into a group's scalar `current` (a number, or a
+    tensor of its shape or of one element), checked before any group loads."""
     errors = []
     for name in names:
         value = state_dict[name]
@@ -293,10 +292,12 @@ class HostEmbeddingBagCollection(nn.Module):
     # ---- a step --------------------------------------------------------------------------
 
     def _layout(self, features) -> tuple:
-        """(the batch's parts, weights, where each needed feature's ids start and end in
-        values) of a jagged batch: every feature present. Offsets are not read: the lengths
+        """(the batch's parts, where each needed feature's ids start and end in values) of a
+        jagged batch: every feature present. Offsets are not read: the lengths
         place every id and bag."""
-        batch = read_batch(features, self._is_weighted)
+        weighted = {f.name: self.groups[self._group_of[f.table]].dtype for f in self.features
+                    if f.pooling == "sum"} if self._is_weighted else None
+        batch = read_batch(features, weighted)
         keys = batch.keys
         for name, t in (("values", batch.values), ("lengths", batch.lengths)):
             if t.dtype not in _INTEGER:
@@ -308,7 +309,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
             i = keys.index(f.name)
             at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
-        return batch, batch.weights, at
+        return batch, at
 
     def _check(self, batch: JaggedBatch, at: dict) -> None:
         """Each feature's ids in its table's rows, every key's lengths >= 0 and summing to the
@@ -378,18 +379,13 @@ class HostEmbeddingBagCollection(nn.Module):
         """A forward's input checked and laid out: (weights, lengths, stride, where each
         feature's ids are, per group (features, flat group rows, starts)); `pooling`: check
         what the pooling needs too (a prefetch only loads rows)."""
-        batch, weights, at = self._layout(features)
+        batch, at = self._layout(features)
         self._check(batch, at)
+        weights = batch.weights
         for f in self.features:
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
-            table_dtype = self.groups[self._group_of[f.table]].dtype
-            if pooling and weights is not None and f.pooling == "sum" and \
-                    weights.dtype not in (table_dtype, torch.float32):
-                raise TypeError(f"feature {f.name!r}: weights must be floating point in its "
-                                f"table's dtype {table_dtype} (as nn.EmbeddingBag) or float32 "
-                                f"(TorchRec's), got {weights.dtype}")
         return (weights, batch.lengths, batch.stride, at,
                 self._group_ids(batch.values, at, self.device))
 
@@ -511,9 +507,8 @@ class HostEmbeddingBagCollection(nn.Module):
             group.discard()
 
     def requires_grad_(self, requires_grad: bool = True) -> "HostEmbeddingBagCollection":
-        """``requires_grad_(False)`` freezes every table (forwards only read; ``step()`` does
-        nothing), ``True`` unfreezes them, as ``HostEmbedding.requires_grad_``; nn's flag for
-        any other parameters (the tables are not parameters: nn's walk would miss them)."""
+        """Freezes (False) or unfreezes every table, as ``HostEmbedding.requires_grad_``, and
+        sets nn's flag on any other parameter (the tables are none: nn's walk misses them)."""
         super().requires_grad_(requires_grad)
         for group in self.groups:
             group.requires_grad_(requires_grad)

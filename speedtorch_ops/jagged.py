@@ -9,7 +9,7 @@ in that order; ``offsets`` the exclusive prefix sums of ``lengths`` (one more en
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -172,13 +172,15 @@ class JaggedBatch(NamedTuple):
     weights: Optional[Tensor]   # per-id weights, read only for a weighted collection
 
 
-def read_batch(features, weighted: bool = False) -> JaggedBatch:
+def read_batch(features, weighted: Optional[Dict[str, torch.dtype]] = None) -> JaggedBatch:
     """The parts of any jagged batch (this module's ``KeyedJaggedTensor``, TorchRec's, or an
     object with ``keys()``, ``values()``, ``lengths()`` and optionally ``stride()`` and
     ``length_per_key()``), their shapes checked on the host: `values` and `lengths` 1-D,
-    ``stride x keys`` lengths, ids per key summing to the values. `weighted`: the batch's
-    weights (``weights_or_none()``, else TorchRec's ``weights()``) are required, one a value;
-    otherwise they are not read. Errors name ``features`` and what is wrong. Whether the ids
+    ``stride x keys`` lengths, ids per key summing to the values. `weighted` (a weighted
+    collection's features that the weights weigh, and their tables' dtypes): the batch's weights
+    (``weights_or_none()``, else TorchRec's ``weights()``) are required, one a value, in each
+    such table's dtype (nn.EmbeddingBag's rule) or float32 (TorchRec's weights, cast to the
+    table's); None: they are not read. Errors name ``features`` and what is wrong. Whether the ids
     per key agree with the lengths needs the lengths' values: the caller checks it where it
     reads them."""
     if not all(callable(getattr(features, name, None)) for name in ("keys", "values", "lengths")):
@@ -205,13 +207,12 @@ def read_batch(features, weighted: bool = False) -> JaggedBatch:
     if sum(per_key) != len(values):
         raise ValueError(f"features: the lengths of the keys {keys} cover {sum(per_key)} ids "
                          f"({dict(zip(keys, per_key))}), values hold {len(values)}")
-    return JaggedBatch(keys, values, lengths, stride, per_key,
-                       _read_weights(features, len(values)) if weighted else None)
+    weights = None if weighted is None else _read_weights(features, len(values), weighted)
+    return JaggedBatch(keys, values, lengths, stride, per_key, weights)
 
 
-def _read_weights(features, count: int) -> Tensor:
-    """A weighted collection's batch weights: present, one a value (their dtype is checked
-    against each feature's table by the collection)."""
+def _read_weights(features, count: int, weighted: Dict[str, torch.dtype]) -> Tensor:
+    """A weighted collection's batch weights, checked (see ``read_batch``)."""
     for name in ("weights_or_none", "weights"):  # TorchRec's weights() raises without any
         if callable(getattr(features, name, None)):
             weights = getattr(features, name)()
@@ -225,4 +226,9 @@ def _read_weights(features, count: int) -> Tensor:
         got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
         raise ValueError(f"features: weights must be a tensor of values' shape ({count},), got "
                          f"{got}")
+    for feature, dtype in weighted.items():
+        if weights.dtype not in (dtype, torch.float32):
+            raise TypeError(f"features: the weights of feature {feature!r} must be floating "
+                            f"point in its table's dtype {dtype} (as nn.EmbeddingBag) or float32 "
+                            f"(TorchRec's), got {weights.dtype}")
     return weights
