@@ -18,8 +18,9 @@ shares its optimizer and hyper-parameters; the cache budget is split between the
 their bytes. Several features may share a table.
 
 ``forward(features)`` takes a jagged batch with ``keys()``, ``values()``, ``lengths()`` (the
-bags and each feature's ids follow from them) and ``weights()`` (per-sample weights of
-sum-pooled features), TorchRec's
+bags and each feature's ids follow from them) and, for a collection built
+``is_weighted=True``, ``weights()`` (per-sample weights of sum-pooled features; ignored
+otherwise, as TorchRec's), TorchRec's
 ``KeyedJaggedTensor`` or ``speedtorch_ops.KeyedJaggedTensor``; keys the collection does not
 know are ignored, a feature it needs and does not find raises. It returns a dict from feature
 name to ``(stride, D)`` (pooled; an empty bag gives zeros) or ``(ids of the feature, D)``
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
+from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .modules import HostEmbedding
 from .training.checkpoint import load_rows, same_view, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
@@ -66,7 +68,8 @@ class TableConfig:
         num_embeddings, embedding_dim: its rows and their width.
         pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
             HostEmbeddingCollection never pools.
-        feature_names: the batch's keys that look this table up (default: ``[name]``).
+        feature_names: the batch's keys that look this table up (default: ``[name]``); a
+            single string is one feature name (TorchRec's config takes a list only).
         dtype: the table's weights' dtype (default: the collection's).
         state_dtype: its optimizer state's dtype (default: the collection's; None: the
             weights'), as HostEmbedding's ``state_dtype``.
@@ -96,7 +99,9 @@ class TableConfig:
         if self.pooling not in _POOLING:
             raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {_POOLING}, got "
                              f"{self.pooling!r}")
-        names = tuple(self.feature_names) or (self.name,)
+        given = self.feature_names
+        # A string is one name: iterating it would make a feature of each of its letters.
+        names = (given,) if isinstance(given, str) else tuple(given) or (self.name,)
         if any(not isinstance(f, str) or not f for f in names):
             raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
                              f"strings, got {self.feature_names!r}")
@@ -106,6 +111,31 @@ class TableConfig:
             if value is not None and value not in FLOATING:
                 raise TypeError(f"TableConfig {self.name!r}: {key} must be a floating dtype "
                                 f"(float16, bfloat16, float32, float64) or None, got {value!r}")
+
+
+def _scalar_errors(state_dict: dict, names: list, current: Tensor) -> list:
+    """Why checkpoint entries `names` cannot load into a group's scalar `current` (a number, or a
+    tensor of its shape or of one element), checked before any group loads."""
+    errors = []
+    for name in names:
+        value = state_dict[name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) or \
+                isinstance(value, Tensor) and (value.shape == current.shape or (
+                    current.dim() == 0 and value.numel() == 1)):
+            continue
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        errors.append(f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here")
+    return errors
+
+
+def _checked_weighted(is_weighted, cls) -> bool:
+    """A collection's `is_weighted`: a bool, False for one that never pools."""
+    if not isinstance(is_weighted, bool):
+        raise TypeError(f"is_weighted must be a bool, got {is_weighted!r}")
+    if is_weighted and not cls._pooled:
+        raise ValueError(f"is_weighted: {cls.__name__} never pools, so it takes no weights (as "
+                         "TorchRec's EmbeddingCollection)")
+    return is_weighted
 
 
 class _Group(HostEmbedding):
@@ -148,6 +178,10 @@ class HostEmbeddingBagCollection(nn.Module):
             each table's own dtype; float64 tables keep float64 state), as HostEmbedding's.
         stochastic_rounding: as HostEmbedding's (float16 and bfloat16 tables round their
             fused updates stochastically unless False).
+        is_weighted: as TorchRec's: True, the batch's per-id weights (``weights_or_none()`` or
+            ``weights()``; required) weigh the sum-pooled features' ids, in the table's dtype or
+            float32 (TorchRec's; cast to the table's); False, a batch's weights are ignored, as
+            TorchRec's ``EmbeddingBagCollection`` ignores them.
 
     Returns (forward): ``{feature: (stride, D)}`` for pooled tables, ``(ids of the feature,
     D)`` for ``pooling="none"``, in the order of the tables' features.
@@ -166,8 +200,8 @@ class HostEmbeddingBagCollection(nn.Module):
     def __init__(self, tables: Sequence[TableConfig], optimizer=torch.optim.Adam,
                  optimizer_kwargs: Optional[dict] = None, device=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", dtype=torch.float32,
-                 stochastic_rounding: Optional[bool] = None, state_dtype=None, _held_rows=None,
-                 _spare_rows=0):
+                 stochastic_rounding: Optional[bool] = None, state_dtype=None,
+                 is_weighted: bool = False, _held_rows=None, _spare_rows=0):
         # _held_rows: the rows of each table this module holds (a sharded collection's rank
         # holds a part of each), default all; _spare_rows: rows each group holds past its
         # tables' (a sharded group's padding row).
@@ -182,6 +216,7 @@ class HostEmbeddingBagCollection(nn.Module):
         check_bounds_mode(bounds_check)
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        self._is_weighted = _checked_weighted(is_weighted, type(self))
         self.tables = tables
         self._rows = list(_held_rows) if _held_rows is not None else \
             [t.num_embeddings for t in tables]
@@ -241,6 +276,10 @@ class HostEmbeddingBagCollection(nn.Module):
     def device(self) -> torch.device:
         return self.groups[0].device
 
+    def is_weighted(self) -> bool:
+        """Whether a batch's weights weigh the ids (TorchRec's method)."""
+        return self._is_weighted
+
     @property
     def dtype(self) -> torch.dtype:
         """The collection's dtype: that of the tables whose TableConfig names none (as a
@@ -253,48 +292,52 @@ class HostEmbeddingBagCollection(nn.Module):
     # ---- a step --------------------------------------------------------------------------
 
     def _layout(self, features) -> tuple:
-        """(values, weights, lengths, stride, where each needed feature's ids start and end in
-        values) of a jagged batch: every feature present. Offsets are not read: the lengths
+        """(the batch's parts, where each needed feature's ids start and end in values) of a
+        jagged batch: every feature present. Offsets are not read: the lengths
         place every id and bag."""
-        keys = list(features.keys())
-        values = features.values()
-        if values.dtype not in _INTEGER:
-            raise TypeError(f"features: values must be integer ids, got {values.dtype}")
-        per_key = features.length_per_key() if hasattr(features, "length_per_key") else None
-        stride = features.stride() if hasattr(features, "stride") else \
-            len(features.lengths()) // max(len(keys), 1)
-        lengths = features.lengths()
-        if per_key is None:
-            per_key = lengths.view(len(keys), stride).sum(1).tolist()
-        starts = np.concatenate([[0], np.cumsum(per_key, dtype=np.int64)])
+        weighted = {f.name: self.groups[self._group_of[f.table]].dtype for f in self.features
+                    if f.pooling == "sum"} if self._is_weighted else None
+        batch = read_batch(features, weighted)
+        keys = batch.keys
+        for name, t in (("values", batch.values), ("lengths", batch.lengths)):
+            if t.dtype not in _INTEGER:
+                raise TypeError(f"features: {name} must be integers, got {t.dtype}")
+        starts = np.concatenate([[0], np.cumsum(batch.length_per_key, dtype=np.int64)])
         at = {}
         for f in self.features:
             if f.name not in keys:
                 raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
             i = keys.index(f.name)
             at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
-        weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
-        return values, weights, lengths, stride, at
+        return batch, at
 
-    def _check(self, values: Tensor, lengths: Tensor, stride: int, at: dict) -> None:
-        """Each feature's ids in its table's rows and its lengths >= 0, naming the feature: on
-        the host, or with one wait for a batch on a GPU (none when prechecked)."""
+    def _check(self, batch: JaggedBatch, at: dict) -> None:
+        """Each feature's ids in its table's rows, every key's lengths >= 0 and summing to the
+        batch's ids of that key (a key not read places the ids after it too), naming the
+        feature: on the host, or with one wait for a batch on a GPU (none when prechecked)."""
+        values, lengths, stride = batch.values, batch.lengths, batch.stride
         on_gpu = values.device.type == "cuda"
         if on_gpu and self.bounds_check == "prechecked":
             return
         flags = []
         for f in self.features:
-            i, lo, hi = at[f.name]
+            _, lo, hi = at[f.name]
             rows = self.tables[f.table].num_embeddings
             ids = values[lo:hi]
-            flags += [((ids < 0) | (ids >= rows)).any(),
-                      (lengths[i * stride:(i + 1) * stride] < 0).any()]
-        bad = torch.stack(flags).cpu().tolist() if flags else []
+            flags.append(((ids < 0) | (ids >= rows)).any())
+        per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
+        bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
+                        ).to(torch.int64).cpu().tolist()
+        split = len(flags) + len(batch.keys)  # ids flags, negative flags, sums
+        for key, flag in zip(batch.keys, bad[len(flags):split]):
+            if flag:
+                raise ValueError(f"features: feature {key!r} has a negative length")
+        wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
+        if wrong:  # a batch's own count read ids of another feature
+            raise ValueError(f"features: {wrong}")
         for k, f in enumerate(self.features):
-            i, lo, hi = at[f.name]
-            if bad[2 * k + 1]:
-                raise ValueError(f"features: feature {f.name!r} has a negative length")
-            if bad[2 * k]:
+            _, lo, hi = at[f.name]
+            if bad[k]:
                 rows = self.tables[f.table].num_embeddings
                 ids = values[lo:hi].cpu()
                 p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
@@ -336,13 +379,15 @@ class HostEmbeddingBagCollection(nn.Module):
         """A forward's input checked and laid out: (weights, lengths, stride, where each
         feature's ids are, per group (features, flat group rows, starts)); `pooling`: check
         what the pooling needs too (a prefetch only loads rows)."""
-        values, weights, lengths, stride, at = self._layout(features)
-        self._check(values, lengths, stride, at)
+        batch, at = self._layout(features)
+        self._check(batch, at)
+        weights = batch.weights
         for f in self.features:
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
-        return weights, lengths, stride, at, self._group_ids(values, at, self.device)
+        return (weights, batch.lengths, batch.stride, at,
+                self._group_ids(batch.values, at, self.device))
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
@@ -401,7 +446,8 @@ class HostEmbeddingBagCollection(nn.Module):
                     psw = psw.to(self.device, group.dtype)
                 pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
                                          per_sample_weights=psw, include_last_offset=True)
-                for (f, _), piece in zip(mine, pooled.split(stride)):
+                # sizes, not a split size: a split of size 0 gives no piece at all
+                for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece
         return {f.name: outputs[f.name] for f in self.features}
 
@@ -459,6 +505,14 @@ class HostEmbeddingBagCollection(nn.Module):
     def discard(self) -> None:
         for group in self.groups:
             group.discard()
+
+    def requires_grad_(self, requires_grad: bool = True) -> "HostEmbeddingBagCollection":
+        """Freezes (False) or unfreezes every table, as ``HostEmbedding.requires_grad_``, and
+        sets nn's flag on any other parameter (the tables are none: nn's walk misses them)."""
+        super().requires_grad_(requires_grad)
+        for group in self.groups:
+            group.requires_grad_(requires_grad)
+        return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
@@ -580,6 +634,7 @@ class HostEmbeddingBagCollection(nn.Module):
                 if not optional:
                     missing_keys.extend(n for n in names if n not in state_dict)
                 if not rows:  # a group's scalar (a step count): the first table's
+                    errors += _scalar_errors(state_dict, present, current)
                     if present:
                         gathered[key] = state_dict[present[0]]
                     continue

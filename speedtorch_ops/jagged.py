@@ -9,7 +9,7 @@ in that order; ``offsets`` the exclusive prefix sums of ``lengths`` (one more en
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -27,7 +27,9 @@ class KeyedJaggedTensor:
         stride: samples per key (default: ``len(lengths) // len(keys)``).
         length_per_key: ids per key (host ints). Given, nothing is read back from a GPU (a CUDA
             graph can capture a step that builds the batch); otherwise computed from the lengths
-            on first use (one wait when they are on a GPU).
+            on first use (one wait when they are on a GPU). Counts that contradict the lengths
+            raise, naming the feature: here for lengths on the host, in the collection's check
+            for lengths on a GPU.
 
     Example::
 
@@ -81,6 +83,11 @@ class KeyedJaggedTensor:
             if len(length_per_key) != len(self._keys) or sum(length_per_key) != len(values):
                 raise ValueError(f"length_per_key must hold one count a key summing to "
                                  f"len(values) = {len(values)}, got {length_per_key}")
+            if lengths.device.type == "cpu":  # no wait to check; on a GPU the collection does
+                sums = lengths.reshape(len(self._keys), stride).sum(1).tolist()
+                wrong = per_key_mismatch(self._keys, length_per_key, sums)
+                if wrong:
+                    raise ValueError(wrong)
         self._values, self._weights = values, weights
         self._lengths, self._offsets = lengths, offsets
         self._stride = int(stride)
@@ -142,3 +149,86 @@ class KeyedJaggedTensor:
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "
                 f"values={len(self._values)} ids)")
+
+
+def per_key_mismatch(keys: Sequence[str], length_per_key: Sequence[int],
+                     sums: Sequence[int]) -> Optional[str]:
+    """Why ids per key `length_per_key` contradict the lengths' sums per key `sums` (naming the
+    first feature that differs), or None."""
+    for key, given, counted in zip(keys, length_per_key, sums):
+        if given != counted:
+            return (f"length_per_key gives feature {key!r} {given} ids, its lengths sum to "
+                    f"{counted}")
+    return None
+
+
+class JaggedBatch(NamedTuple):
+    """A jagged batch's parts as a collection reads them (see ``read_batch``)."""
+    keys: List[str]
+    values: Tensor
+    lengths: Tensor
+    stride: int
+    length_per_key: List[int]   # ids per key, host ints: where each key's ids are in values
+    weights: Optional[Tensor]   # per-id weights, read only for a weighted collection
+
+
+def read_batch(features, weighted: Optional[Dict[str, torch.dtype]] = None) -> JaggedBatch:
+    """The parts of any jagged batch (this module's ``KeyedJaggedTensor``, TorchRec's, or an
+    object with ``keys()``, ``values()``, ``lengths()`` and optionally ``stride()`` and
+    ``length_per_key()``), their shapes checked on the host: `values` and `lengths` 1-D,
+    ``stride x keys`` lengths, ids per key summing to the values. `weighted` (a weighted
+    collection's features that the weights weigh, and their tables' dtypes): the batch's weights
+    (``weights_or_none()``, else TorchRec's ``weights()``) are required, one a value, in each
+    such table's dtype (nn.EmbeddingBag's rule) or float32 (TorchRec's weights, cast to the
+    table's); None: they are not read. Errors name ``features`` and what is wrong. Whether the ids
+    per key agree with the lengths needs the lengths' values: the caller checks it where it
+    reads them."""
+    if not all(callable(getattr(features, name, None)) for name in ("keys", "values", "lengths")):
+        raise TypeError("features must be a KeyedJaggedTensor (speedtorch_ops' or TorchRec's) "
+                        "or an object with keys(), values() and lengths(), got "
+                        f"{type(features).__name__}")
+    keys, values, lengths = list(features.keys()), features.values(), features.lengths()
+    for name, t in (("values", values), ("lengths", lengths)):
+        if not isinstance(t, Tensor) or t.dim() != 1:
+            got = f"{t.dim()}-D" if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(f"features: {name}() must be a 1-D tensor, got {got}")
+    stride = int(features.stride()) if hasattr(features, "stride") else \
+        len(lengths) // max(len(keys), 1)
+    if stride < 0 or len(lengths) != stride * len(keys):
+        raise ValueError(f"features: lengths must hold stride x keys = {stride} x {len(keys)} "
+                         f"entries (keys {keys}), got {len(lengths)}")
+    if hasattr(features, "length_per_key"):
+        per_key = [int(n) for n in features.length_per_key()]
+    else:  # one wait for lengths on a GPU
+        per_key = [int(n) for n in lengths.reshape(len(keys), stride).sum(1).tolist()]
+    if len(per_key) != len(keys):
+        raise ValueError(f"features: length_per_key must hold a count for each of the keys "
+                         f"{keys}, got {per_key}")
+    if sum(per_key) != len(values):
+        raise ValueError(f"features: the lengths of the keys {keys} cover {sum(per_key)} ids "
+                         f"({dict(zip(keys, per_key))}), values hold {len(values)}")
+    weights = None if weighted is None else _read_weights(features, len(values), weighted)
+    return JaggedBatch(keys, values, lengths, stride, per_key, weights)
+
+
+def _read_weights(features, count: int, weighted: Dict[str, torch.dtype]) -> Tensor:
+    """A weighted collection's batch weights, checked (see ``read_batch``)."""
+    for name in ("weights_or_none", "weights"):  # TorchRec's weights() raises without any
+        if callable(getattr(features, name, None)):
+            weights = getattr(features, name)()
+            break
+    else:
+        weights = None
+    if weights is None:
+        raise ValueError("features: the collection is built with is_weighted=True: the batch "
+                         "must carry weights (weights_or_none() or weights())")
+    if not isinstance(weights, Tensor) or tuple(weights.shape) != (count,):
+        got = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
+        raise ValueError(f"features: weights must be a tensor of values' shape ({count},), got "
+                         f"{got}")
+    for feature, dtype in weighted.items():
+        if weights.dtype not in (dtype, torch.float32):
+            raise TypeError(f"features: the weights of feature {feature!r} must be floating "
+                            f"point in its table's dtype {dtype} (as nn.EmbeddingBag) or float32 "
+                            f"(TorchRec's), got {weights.dtype}")
+    return weights

@@ -146,6 +146,8 @@ def targets_for(outputs, gen):
 
 def run_both(cfgs, name, device, gen, steps=3, pooled=True, weighted=False, **kwargs):
     cls = so.HostEmbeddingBagCollection if pooled else so.HostEmbeddingCollection
+    if weighted:
+        kwargs["is_weighted"] = True  # else the batch's weights are ignored, as TorchRec's
     ebc = build(cfgs, name, device, cls, **kwargs)
     init = {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=gen,
                                 dtype=torch.float64) for t in cfgs}
