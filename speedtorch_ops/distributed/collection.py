@@ -124,8 +124,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     Args:
         tables, optimizer, optimizer_kwargs, bounds_check, dtype, state_dtype,
-            stochastic_rounding: as
-            HostEmbeddingBagCollection's, for the whole tables (each rank holds its rows).
+            stochastic_rounding, is_weighted: as HostEmbeddingBagCollection's, for the whole
+            tables (each rank holds its rows).
         group: the process group (default: the default group); every member builds the module
             with the same tables in the same order.
         device: where the rows are staged (default: the GPU the group's NCCL uses, the CPU for
@@ -159,7 +159,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                  optimizer_kwargs: Optional[dict] = None, group=None, device=None,
                  cache_bytes: int = 0, bounds_check: str = "raise", dtype=torch.float32,
                  stochastic_rounding: Optional[bool] = None, grad_scale: float = 1.0,
-                 route_group=None, exchange: str = "auto", state_dtype=None):
+                 route_group=None, exchange: str = "auto", state_dtype=None,
+                 is_weighted: bool = False):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
                                "torch.distributed.init_process_group first")
@@ -179,7 +180,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
                          device=comm_device if device is None else device,
                          cache_bytes=cache_bytes, bounds_check=bounds_check, dtype=dtype,
                          stochastic_rounding=stochastic_rounding, state_dtype=state_dtype,
-                         _held_rows=held, _spare_rows=PADS)
+                         is_weighted=is_weighted, _held_rows=held, _spare_rows=PADS)
         self.group, self.rank, self.world = group, rank, world
         self.padding_rows = PADS  # each group's rows past this rank's rows of its tables
         self.comm_device = comm_device

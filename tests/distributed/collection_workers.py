@@ -93,10 +93,11 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
         cls, kwargs = OPTIMIZERS[name]
         torch.manual_seed(seed)
         ref = HostEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
-                                         device="cpu", dtype=F64)
+                                         device="cpu", dtype=F64, is_weighted=weighted)
         sharded = ShardedEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
                                                 device=device, dtype=F64, grad_scale=grad_scale,
-                                                cache_bytes=cache_bytes, exchange=exchange)
+                                                cache_bytes=cache_bytes, exchange=exchange,
+                                                is_weighted=weighted)
         sharded.load_state_dict(ref.state_dict())
         for step in range(3):
             batches = [batch(tables, seed, step, r, 2 + r, empty=step == 1 and r == world - 1,
