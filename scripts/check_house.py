@@ -28,6 +28,8 @@ LOWER = ("training", "ops", "memory", "io", "jagged", "optim")
 # Attributes on these names are another module's interface by design (torch's and NumPy's own
 # underscored API, the package's private ops).
 MODULES = {"ops", "_ops", "torch", "np", "F", "dist", "nn", "os", "sys"}
+# A named tuple's own API.
+NAMED_TUPLE = {"_replace", "_asdict", "_fields", "_make"}
 # Calls whose results are positional by nature (an index's first hit, a sparse tensor's rows).
 POSITIONAL = {"size", "split", "unbind", "chunk", "nonzero", "flatnonzero", "indices",
               "partition", "rpartition"}
@@ -103,7 +105,7 @@ def _private_calls(path: str, tree: ast.Module) -> list:
         if not isinstance(node, ast.Attribute):
             continue
         name = node.attr
-        if not name.startswith("_") or name.startswith("__") or name in own:
+        if not name.startswith("_") or name.startswith("__") or name in own | NAMED_TUPLE:
             continue
         root = node.value
         while isinstance(root, ast.Attribute):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,10 +49,10 @@ from torch import Tensor, nn
 from .eager import compile_eagerly, eager
 from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .modules import HostEmbedding
-from .training.checkpoint import load_rows, same_view, save_rows
+from .collection_io import load_collection, save_collection
+from .training.checkpoint import load_rows, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
-from .training.update import OPTIONAL_STATE, ROUNDING_STATE
-from .training.cache import CachedRows
+from .training.cache import cache_slots, check_cache_bytes
 from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, Plan, check_bounds_mode
 
@@ -113,19 +113,17 @@ class TableConfig:
                                 f"(float16, bfloat16, float32, float64) or None, got {value!r}")
 
 
-def _scalar_errors(state_dict: dict, names: list, current: Tensor) -> list:
-    """Why checkpoint entries `names` cannot load into a group's scalar `current` (a number, or a
-    tensor of its shape or of one element), checked before any group loads."""
-    errors = []
-    for name in names:
-        value = state_dict[name]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) or \
-                isinstance(value, Tensor) and (value.shape == current.shape or (
-                    current.dim() == 0 and value.numel() == 1)):
-            continue
-        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-        errors.append(f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here")
-    return errors
+def _kind(t: TableConfig, dtype, state_dtype) -> tuple:
+    """(width, dtype, state dtype setting) of table `t`: the tables of one kind share a group.
+    The collection's dtype and state_dtype where the table names none (float64 tables keep
+    float64 state); the table's own checked as given."""
+    table_dtype = resolve_dtype(t.dtype or dtype)
+    setting = t.state_dtype or (state_dtype if table_dtype != torch.float64 else None)
+    try:
+        setting = check_state_dtype(setting, table_dtype)
+    except TypeError as e:
+        raise TypeError(f"TableConfig {t.name!r}: {e}") from None
+    return t.embedding_dim, table_dtype, setting
 
 
 def _checked_weighted(is_weighted, cls) -> bool:
@@ -161,6 +159,104 @@ class _Feature:
     name: str
     table: int   # position in the collection's tables
     pooling: str
+
+
+class Span(NamedTuple):
+    """Where a feature's ids sit in a batch: its key's index, its first id's position in the
+    batch's values and the end of its ids."""
+    key: int
+    start: int
+    end: int
+
+
+class GroupIds(NamedTuple):
+    """A width group's part of a batch: its features in output order, their ids as rows of the
+    group (each table's row offset added) on the collection's device, and where each feature's
+    ids start in them."""
+    features: list
+    flat: Tensor
+    starts: list
+
+
+class Prepared(NamedTuple):
+    """A forward's batch checked and laid out: its weights (None unweighted), lengths and
+    stride, each feature's ``Span``, and each group's ``GroupIds``."""
+    weights: Optional[Tensor]
+    lengths: Tensor
+    stride: int
+    at: dict
+    grouped: list
+
+
+class _Piece(NamedTuple):
+    """Ids of one table side by side in a batch's values: [start, end)."""
+    start: int
+    end: int
+    table: int
+
+
+class TablePlace(NamedTuple):
+    """Where a table's rows live: its width group, its first row there and its rows."""
+    group: int
+    offset: int
+    rows: int
+
+
+def _layout(coll, features) -> tuple:
+    """(the batch's parts, where each of collection `coll`'s features' ids sit: a ``Span``) of
+    a jagged batch: every feature present. Offsets are not read: the lengths place every id
+    and bag."""
+    weighted = {f.name: coll.groups[coll.place(f.table).group].dtype for f in coll.features
+                if f.pooling == "sum"} if coll.is_weighted() else None
+    batch = read_batch(features, weighted)
+    keys = batch.keys
+    for name, t in (("values", batch.values), ("lengths", batch.lengths)):
+        if t.dtype not in _INTEGER:
+            raise TypeError(f"features: {name} must be integers, got {t.dtype}")
+    starts = np.concatenate([[0], np.cumsum(batch.length_per_key, dtype=np.int64)])
+    at = {}
+    for f in coll.features:
+        if f.name not in keys:
+            raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
+        i = keys.index(f.name)
+        at[f.name] = Span(i, int(starts[i]), int(starts[i + 1]))
+    return batch, at
+
+
+def _check(coll, batch: JaggedBatch, at: dict) -> None:
+    """Each feature's ids of collection `coll` in its table's rows, every key's lengths >= 0
+    and summing to the batch's ids of that key (a key not read places the ids after it too),
+    naming the feature: on the host, or with one wait for a batch on a GPU (none when
+    prechecked)."""
+    values, lengths, stride = batch.values, batch.lengths, batch.stride
+    on_gpu = values.device.type == "cuda"
+    if on_gpu and coll.bounds_check == "prechecked":
+        return
+    flags = []
+    for f in coll.features:
+        span = at[f.name]
+        rows = coll.tables[f.table].num_embeddings
+        ids = values[span.start:span.end]
+        flags.append(((ids < 0) | (ids >= rows)).any())
+    per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
+    bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
+                    ).to(torch.int64).cpu().tolist()
+    split = len(flags) + len(batch.keys)  # ids flags, negative flags, sums
+    for key, flag in zip(batch.keys, bad[len(flags):split]):
+        if flag:
+            raise ValueError(f"features: feature {key!r} has a negative length")
+    wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
+    if wrong:  # a batch's own count read ids of another feature
+        raise ValueError(f"features: {wrong}")
+    for k, f in enumerate(coll.features):
+        span = at[f.name]
+        if bad[k]:
+            rows = coll.tables[f.table].num_embeddings
+            ids = values[span.start:span.end].cpu()
+            p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
+            raise RuntimeError(f"feature {f.name!r}: id {int(ids[p])} at position {p} is out "
+                               f"of range for table {coll.tables[f.table].name!r} of {rows} "
+                               "rows; every id must be in [0, rows). Nothing was written.")
 
 
 class HostEmbeddingBagCollection(nn.Module):
@@ -214,8 +310,7 @@ class HostEmbeddingBagCollection(nn.Module):
         if len(set(names)) != len(names):
             raise ValueError(f"tables: table names must be distinct, got {names}")
         check_bounds_mode(bounds_check)
-        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        check_cache_bytes(cache_bytes)
         self._is_weighted = _checked_weighted(is_weighted, type(self))
         self.tables = tables
         self._rows = list(_held_rows) if _held_rows is not None else \
@@ -229,17 +324,7 @@ class HostEmbeddingBagCollection(nn.Module):
         if len(set(fnames)) != len(fnames):
             raise ValueError(f"tables: feature names must be distinct, got {fnames}")
         # One group a (width, dtype, state dtype), tables in their given order at row offsets.
-        kinds = []
-        for t in tables:
-            table_dtype = resolve_dtype(t.dtype or dtype)
-            # The collection's state_dtype where the table names none (float64 tables keep
-            # float64 state); the table's own is checked as given.
-            setting = t.state_dtype or (state_dtype if table_dtype != torch.float64 else None)
-            try:
-                setting = check_state_dtype(setting, table_dtype)
-            except TypeError as e:
-                raise TypeError(f"TableConfig {t.name!r}: {e}") from None
-            kinds.append((t.embedding_dim, table_dtype, setting))
+        kinds = [_kind(t, dtype, state_dtype) for t in tables]
         widths = sorted(set(kinds), key=lambda kind: (kind[0], str(kind[1]), str(kind[2])))
         self._group_of = [widths.index(kind) for kind in kinds]
         self._offset = [0] * len(tables)
@@ -248,8 +333,9 @@ class HostEmbeddingBagCollection(nn.Module):
             g = self._group_of[k]
             self._offset[k] = rows[g]
             rows[g] += self._rows[k]
-        groups = [_Group(rows[g] + _spare_rows, width, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                         device=device, bounds_check="prechecked", dtype=group_dtype,
+        groups = [_Group(rows[g] + _spare_rows, width, optimizer=optimizer,
+                         optimizer_kwargs=optimizer_kwargs, device=device,
+                         bounds_check="prechecked", dtype=group_dtype,
                          stochastic_rounding=stochastic_rounding, state_dtype=group_state)
                   for g, (width, group_dtype, group_state) in enumerate(widths)]
         self._default_dtype = dtype
@@ -259,13 +345,17 @@ class HostEmbeddingBagCollection(nn.Module):
                           "live in the memory the step runs in", stacklevel=2)
         elif cache_bytes:
             self.set_cache_bytes(cache_bytes)
-        # Per table (lookups, hits) of distinct rows, counted on the device (a captured step
-        # counts too); each group's tables end at these rows of the group.
-        # (Buffers, not state: they follow .to(device) and stay out of the checkpoint.)
-        self.register_buffer("_table_stats", torch.zeros((len(tables), 2), dtype=torch.int64,
-                                                         device=self.device), persistent=False)
-        for g in range(len(widths)):
-            mine = [k for k in range(len(tables)) if self._group_of[k] == g]
+        self._register_counts()
+
+    def _register_counts(self) -> None:
+        """Per table (lookups, hits) of distinct rows, counted on the device (a captured step
+        counts too); each group's tables end at the rows ``_ends<g>`` of the group. Buffers,
+        not state: they follow .to(device) and stay out of the checkpoint."""
+        self.register_buffer("_table_stats", torch.zeros((len(self.tables), 2),
+                                                         dtype=torch.int64, device=self.device),
+                             persistent=False)
+        for g in range(len(self.groups)):
+            mine = self.tables_of(g)
             ends = [self._offset[k] + self._rows[k] for k in mine]
             self.register_buffer(f"_ends{g}", torch.tensor(ends, device=self.device),
                                  persistent=False)
@@ -291,83 +381,30 @@ class HostEmbeddingBagCollection(nn.Module):
 
     # ---- a step --------------------------------------------------------------------------
 
-    def _layout(self, features) -> tuple:
-        """(the batch's parts, where each needed feature's ids start and end in values) of a
-        jagged batch: every feature present. Offsets are not read: the lengths
-        place every id and bag."""
-        weighted = {f.name: self.groups[self._group_of[f.table]].dtype for f in self.features
-                    if f.pooling == "sum"} if self._is_weighted else None
-        batch = read_batch(features, weighted)
-        keys = batch.keys
-        for name, t in (("values", batch.values), ("lengths", batch.lengths)):
-            if t.dtype not in _INTEGER:
-                raise TypeError(f"features: {name} must be integers, got {t.dtype}")
-        starts = np.concatenate([[0], np.cumsum(batch.length_per_key, dtype=np.int64)])
-        at = {}
-        for f in self.features:
-            if f.name not in keys:
-                raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
-            i = keys.index(f.name)
-            at[f.name] = (i, int(starts[i]), int(starts[i + 1]))
-        return batch, at
-
-    def _check(self, batch: JaggedBatch, at: dict) -> None:
-        """Each feature's ids in its table's rows, every key's lengths >= 0 and summing to the
-        batch's ids of that key (a key not read places the ids after it too), naming the
-        feature: on the host, or with one wait for a batch on a GPU (none when prechecked)."""
-        values, lengths, stride = batch.values, batch.lengths, batch.stride
-        on_gpu = values.device.type == "cuda"
-        if on_gpu and self.bounds_check == "prechecked":
-            return
-        flags = []
-        for f in self.features:
-            _, lo, hi = at[f.name]
-            rows = self.tables[f.table].num_embeddings
-            ids = values[lo:hi]
-            flags.append(((ids < 0) | (ids >= rows)).any())
-        per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
-        bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
-                        ).to(torch.int64).cpu().tolist()
-        split = len(flags) + len(batch.keys)  # ids flags, negative flags, sums
-        for key, flag in zip(batch.keys, bad[len(flags):split]):
-            if flag:
-                raise ValueError(f"features: feature {key!r} has a negative length")
-        wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
-        if wrong:  # a batch's own count read ids of another feature
-            raise ValueError(f"features: {wrong}")
-        for k, f in enumerate(self.features):
-            _, lo, hi = at[f.name]
-            if bad[k]:
-                rows = self.tables[f.table].num_embeddings
-                ids = values[lo:hi].cpu()
-                p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
-                raise RuntimeError(f"feature {f.name!r}: id {int(ids[p])} at position {p} is out "
-                                   f"of range for table {self.tables[f.table].name!r} of {rows} "
-                                   "rows; every id must be in [0, rows). Nothing was written.")
-
     def _group_ids(self, values: Tensor, at: dict, device: torch.device) -> list:
-        """Per group: (its features in output order, the flat ids on `device` with each table's
-        row offset added, where each feature's ids start in them)."""
+        """Each group's ``GroupIds`` of the batch."""
         out = []
         order = {"none": 0, "sum": 1, "mean": 2}  # a pooling's features stay together
         for g in range(len(self.groups)):
             feats = sorted((f for f in self.features if self._group_of[f.table] == g),
                            key=lambda f: order[f.pooling])
-            ranges, starts, n = [], [], 0  # [lo, hi, table] of values
+            pieces, starts, n = [], [], 0
             for f in feats:
-                _, lo, hi = at[f.name]
-                if ranges and ranges[-1][1] == lo and ranges[-1][2] == f.table:
-                    ranges[-1][1] = hi  # features of one table side by side: one piece
+                span = at[f.name]
+                last = pieces[-1] if pieces else None
+                if last is not None and last.end == span.start and last.table == f.table:
+                    pieces[-1] = last._replace(end=span.end)  # one table's features side by side
                 else:
-                    ranges.append([lo, hi, f.table])
+                    pieces.append(_Piece(span.start, span.end, f.table))
                 starts.append(n)
-                n += hi - lo
-            pieces = [self._stacked(t, values[lo:hi].to(torch.int64)) for lo, hi, t in ranges]
+                n += span.end - span.start
+            pieces = [self._stacked(p.table, values[p.start:p.end].to(torch.int64))
+                      for p in pieces]
             flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
                     else values.new_zeros(0, dtype=torch.int64))
             if flat.device != device:
                 flat = upload(flat, device) if flat.device.type == "cpu" else flat.to(device)
-            out.append((feats, flat, starts))
+            out.append(GroupIds(feats, flat, starts))
         return out
 
     def _stacked(self, table: int, ids: Tensor) -> Tensor:
@@ -375,19 +412,18 @@ class HostEmbeddingBagCollection(nn.Module):
         offset = self._offset[table]
         return ids + offset if offset else ids
 
-    def _prepare(self, features, pooling: bool = True) -> tuple:
-        """A forward's input checked and laid out: (weights, lengths, stride, where each
-        feature's ids are, per group (features, flat group rows, starts)); `pooling`: check
-        what the pooling needs too (a prefetch only loads rows)."""
-        batch, at = self._layout(features)
-        self._check(batch, at)
+    def _prepare(self, features, pooling: bool = True) -> Prepared:
+        """A forward's input checked and laid out; `pooling`: check what the pooling needs
+        too (a prefetch only loads rows)."""
+        batch, at = _layout(self, features)
+        _check(self, batch, at)
         weights = batch.weights
         for f in self.features:
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
-        return (weights, batch.lengths, batch.stride, at,
-                self._group_ids(batch.values, at, self.device))
+        return Prepared(weights, batch.lengths, batch.stride, at,
+                        self._group_ids(batch.values, at, self.device))
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
@@ -407,14 +443,15 @@ class HostEmbeddingBagCollection(nn.Module):
 
     @eager
     def forward(self, features) -> Dict[str, Tensor]:
-        return self._forward(*self._prepare(features))
+        return self._forward(self._prepare(features))
 
-    def _forward(self, weights, lengths, stride: int, at: dict, grouped: list) -> dict:
+    def _forward(self, p: Prepared) -> dict:
         for group in self.groups:  # before any group drops its staged rows
             group.engine.check_restage()
+        at, stride = p.at, p.stride
         outputs = {}
         lens = None
-        for g, (feats, flat, starts) in enumerate(grouped):
+        for g, (feats, flat, starts) in enumerate(p.grouped):
             if not feats:
                 continue
             group = self.groups[g]
@@ -425,24 +462,25 @@ class HostEmbeddingBagCollection(nn.Module):
                 mine = [(f, s) for f, s in zip(feats, starts) if f.pooling == mode]
                 if not mine:
                     continue
-                sizes = [at[f.name][2] - at[f.name][1] for f, _ in mine]
-                lo = mine[0][1]
+                spans = [at[f.name] for f, _ in mine]
+                sizes = [span.end - span.start for span in spans]
+                _, lo = mine[0]
                 hi = lo + sum(sizes)
                 if mode == "none":
                     for (f, _), piece in zip(mine, pick(lo, hi, sizes)):
                         outputs[f.name] = piece
                     continue
                 if lens is None:  # the bags from the lengths, which placed the features' ids
-                    lens = lengths.to(torch.int64)
+                    lens = p.lengths.to(torch.int64)
                     lens = (upload(lens, self.device) if lens.device.type == "cpu"
                             else lens.to(self.device))
-                mode_lens = torch.cat([lens[at[f.name][0] * stride:(at[f.name][0] + 1) * stride]
-                                       for f, _ in mine])
+                mode_lens = torch.cat([lens[span.key * stride:(span.key + 1) * stride]
+                                       for span in spans])
                 bags = [torch.cumsum(mode_lens, 0) - mode_lens,
                         torch.full((1,), hi - lo, dtype=torch.int64, device=self.device)]
                 psw = None
-                if weights is not None and mode == "sum":
-                    psw = torch.cat([weights[at[f.name][1]:at[f.name][2]] for f, _ in mine])
+                if p.weights is not None and mode == "sum":
+                    psw = torch.cat([p.weights[span.start:span.end] for span in spans])
                     psw = psw.to(self.device, group.dtype)
                 pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
                                          per_sample_weights=psw, include_last_offset=True)
@@ -494,7 +532,7 @@ class HostEmbeddingBagCollection(nn.Module):
     @eager
     def prefetch(self, features) -> None:
         """Start loading the rows of the next step's batch (see HostEmbedding.prefetch)."""
-        self._prefetch(self._prepare(features, pooling=False)[4])
+        self._prefetch(self._prepare(features, pooling=False).grouped)
 
     def _prefetch(self, grouped: list) -> None:
         for group, (feats, flat, _) in zip(self.groups, grouped):
@@ -559,12 +597,11 @@ class HostEmbeddingBagCollection(nn.Module):
         ``HostEmbedding.set_cache_bytes`` (between steps; a ``CapturedStep`` made before must
         not replay): shared by the groups by their tables' bytes; a share too small for a
         group's index and one row leaves that group without a cache."""
-        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        check_cache_bytes(cache_bytes)
         sizes = [g.num_embeddings * g.row_bytes for g in self.groups]
         for g, size in zip(self.groups, sizes):
             share = cache_bytes * size // sum(sizes)
-            fits = share >= CachedRows.index_bytes(g.num_embeddings) + g.row_bytes
+            fits = cache_slots(share, g.num_embeddings, g.row_bytes, strict=False) > 0
             g.set_cache_bytes(share if fits else 0)
 
     def reset_parameters(self, init=None) -> None:
@@ -586,6 +623,14 @@ class HostEmbeddingBagCollection(nn.Module):
                     fn(rows)
             group.reset_parameters(each_table)
 
+    def place(self, k: int) -> TablePlace:
+        """Where table `k`'s rows live: its width group, its first row there, its rows held."""
+        return TablePlace(self._group_of[k], self._offset[k], self._rows[k])
+
+    def tables_of(self, g: int) -> list:
+        """The positions of width group `g`'s tables, in their row order."""
+        return [k for k in range(len(self.tables)) if self._group_of[k] == g]
+
     def table_weight(self, name: str) -> Tensor:
         """Table `name`'s weight (a view of the host table; flushed first)."""
         k = self._table_index(name)
@@ -601,79 +646,11 @@ class HostEmbeddingBagCollection(nn.Module):
     # ---- checkpoints ---------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        for g, group in enumerate(self.groups):
-            whole: dict = {}
-            group.save_rows(whole)
-            for k, t in enumerate(self.tables):
-                if self._group_of[k] != g:
-                    continue
-                lo, hi = self._offset[k], self._offset[k] + self._rows[k]
-                for key, value in whole.items():
-                    rows = value.dim() >= 1 and value.shape[0] == group.num_embeddings
-                    destination[f"{prefix}{t.name}.{key}"] = value[lo:hi] if rows else value
+        save_collection(self, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
-        """Each width group's keys gathered from its tables' (a table missing from the
-        checkpoint keeps its rows: the group loads them back as they are); every key checked
-        before any is loaded, so an error loads nothing."""
-        known, loads, errors = set(), [], []
-        optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
-        rounding_keys = {f"optimizer.{key}" for key in ROUNDING_STATE}
-        for g, group in enumerate(self.groups):
-            whole: dict = {}
-            group.save_rows(whole)  # the group's keys and their current tensors (flushed)
-            mine = [k for k in range(len(self.tables)) if self._group_of[k] == g]
-            gathered = {}
-            for key, current in whole.items():
-                rows = current.dim() >= 1 and current.shape[0] == group.num_embeddings
-                names = [f"{prefix}{self.tables[k].name}.{key}" for k in mine]
-                known.update(names)
-                present = [n for n in names if n in state_dict]
-                optional = key in optional_keys  # checkpoints may lack it (OPTIONAL_STATE)
-                if not optional:
-                    missing_keys.extend(n for n in names if n not in state_dict)
-                if not rows:  # a group's scalar (a step count): the first table's
-                    errors += _scalar_errors(state_dict, present, current)
-                    if present:
-                        gathered[key] = state_dict[present[0]]
-                    continue
-                if not present:
-                    continue
-                pieces, in_place = [], True
-                for k, n in zip(mine, names):
-                    lo, count = self._offset[k], self._rows[k]
-                    here = current[lo:lo + count]
-                    if n not in state_dict:
-                        pieces.append(here)  # not in the checkpoint: kept as it is
-                        continue
-                    v = state_dict[n]
-                    want = (count, *current.shape[1:])
-                    if not isinstance(v, Tensor) or tuple(v.shape) != want:
-                        got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-                        errors.append(f"{n}: shape {got} in the checkpoint, {want} here")
-                        continue
-                    in_place &= same_view(v, here)
-                    pieces.append(v)
-                if len(pieces) == len(mine):
-                    held = self._offset[mine[-1]] + self._rows[mine[-1]]
-                    pieces.append(current[held:])  # the group's spare rows, kept
-                    gathered[key] = current if in_place and len(present) == len(names) else \
-                        torch.cat([p.to(current.device, current.dtype) for p in pieces])
-            loads.append((group, gathered))
-        names = {t.name for t in self.tables}
-        for key in state_dict:
-            if not key.startswith(prefix) or key in known:
-                continue
-            table, _, rest = key[len(prefix):].partition(".")
-            if table not in names or rest not in rounding_keys:  # 16-bit tables' own
-                unexpected_keys.append(key)
-        if errors:
-            error_msgs.extend(errors)
-            return  # nothing loaded
-        for group, gathered in loads:
-            if gathered:
-                group.load_rows(gathered, [], [], error_msgs)
+        load_collection(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         tables = ", ".join(f"{t.name}({t.num_embeddings}x{t.embedding_dim}"

@@ -245,7 +245,7 @@ def _tables_meta(ebc) -> list:
     not the table's."""
     out = []
     for k, t in enumerate(ebc.tables):
-        group = ebc.groups[ebc._group_of[k]]
+        group = ebc.groups[ebc.place(k).group]
         meta = [t.name, t.num_embeddings, t.embedding_dim,
                 str(group.dtype).removeprefix("torch.")]
         if group.state_dtype != group.dtype:
@@ -319,7 +319,7 @@ def _collection_rows(ebc, directory: str) -> list:
                              "differ)")
         pieces = []
         starts = [0] * saved_world  # where the table's rows begin in each saved rank's group
-        for k in (k for k in range(len(ebc.tables)) if ebc._group_of[k] == g):
+        for k in ebc.tables_of(g):
             rows_k = ebc.tables[k].num_embeddings
             ids = torch.arange(ebc.rank, rows_k, ebc.world)
             owner = ids % saved_world

@@ -259,7 +259,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             prepared = self._prepare(features, pooling)
         except Exception as e:  # any: a rank that raised alone would leave its peers waiting
             error = e
-        sizes = [flat.numel() for _, flat, _ in prepared[4]] if prepared else \
+        sizes = [ids.flat.numel() for ids in prepared.grouped] if prepared else \
             [0] * len(self.groups)
         # Whether this forward trains: a rank that would skip step()'s exchanges while its
         # peers join them must make every rank raise here instead.
@@ -331,7 +331,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._sizes = sizes
         self._pending = []  # a forward without its step before: the groups drop its rows
         self._generation += 1  # that forward's outputs can no longer take a backward
-        return self._forward(*prepared)
+        return self._forward(prepared)
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """The rows of every id of `flat`: routed to their owners, staged by them, sent back
@@ -439,7 +439,7 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
             if self._ahead_read:  # the peers may still read the last prefetch's ids
                 self._peer.ahead_ids.barrier()
             self._ahead_read = True
-        for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared[4])):
+        for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, prepared.grouped)):
             group.prefetch(self._route(g, flat, [row[g] for row in sizes], ahead=True).served)
 
     @eager

@@ -1,0 +1,117 @@
+"""Checkpoint I/O of a collection: each table's rows and optimizer state under its own name
+(``<table>.weight``, ``<table>.optimizer.<state>``), cut from and gathered into the width
+groups that hold them, every entry checked before any group loads."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .training.checkpoint import same_view
+from .training.update import OPTIONAL_STATE, ROUNDING_STATE
+
+
+def save_collection(coll, destination: dict, prefix: str) -> None:
+    """Every table's entries of collection `coll` under `prefix`: views of its group's."""
+    for g, group in enumerate(coll.groups):
+        whole: dict = {}
+        group.save_rows(whole)
+        for k in coll.tables_of(g):
+            place = coll.place(k)
+            for key, value in whole.items():
+                rows = value.dim() >= 1 and value.shape[0] == group.num_embeddings
+                destination[f"{prefix}{coll.tables[k].name}.{key}"] = (
+                    value[place.offset:place.offset + place.rows] if rows else value)
+
+
+def _scalar_errors(state_dict: dict, names: list, current: Tensor) -> list:
+    """Why checkpoint entries `names` cannot load into a group's scalar `current` (a number, or a
+    tensor of its shape or of one element), checked before any group loads."""
+    errors = []
+    for name in names:
+        value = state_dict[name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) or \
+                isinstance(value, Tensor) and (value.shape == current.shape or (
+                    current.dim() == 0 and value.numel() == 1)):
+            continue
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        errors.append(f"{name}: shape {got} in the checkpoint, {tuple(current.shape)} here")
+    return errors
+
+
+def _gather_rows(coll, state_dict: dict, names: list, mine: list, current: Tensor,
+                 errors: list):
+    """The group's whole entry from its tables' entries `names` (a table missing from the
+    checkpoint keeps its rows; the group's spare rows are kept), or None after an error."""
+    pieces, in_place, present = [], True, 0
+    for k, n in zip(mine, names):
+        place = coll.place(k)
+        here = current[place.offset:place.offset + place.rows]
+        if n not in state_dict:
+            pieces.append(here)  # not in the checkpoint: kept as it is
+            continue
+        v = state_dict[n]
+        want = (place.rows, *current.shape[1:])
+        if not isinstance(v, Tensor) or tuple(v.shape) != want:
+            got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            errors.append(f"{n}: shape {got} in the checkpoint, {want} here")
+            continue
+        in_place &= same_view(v, here)
+        pieces.append(v)
+        present += 1
+    if len(pieces) != len(mine):
+        return None
+    last = coll.place(mine[-1])
+    pieces.append(current[last.offset + last.rows:])  # the group's spare rows, kept
+    if in_place and present == len(names):
+        return current
+    return torch.cat([p.to(current.device, current.dtype) for p in pieces])
+
+
+def _gather_group(coll, g: int, state_dict: dict, prefix: str, missing_keys: list,
+                  errors: list, known: set) -> dict:
+    """Group `g`'s entries gathered from its tables' (its scalars: the first table's)."""
+    group = coll.groups[g]
+    whole: dict = {}
+    group.save_rows(whole)  # the group's keys and their current tensors (flushed)
+    mine = coll.tables_of(g)
+    optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
+    gathered = {}
+    for key, current in whole.items():
+        names = [f"{prefix}{coll.tables[k].name}.{key}" for k in mine]
+        known.update(names)
+        present = [n for n in names if n in state_dict]
+        if key not in optional_keys:  # checkpoints may lack those (OPTIONAL_STATE)
+            missing_keys.extend(n for n in names if n not in state_dict)
+        if not (current.dim() >= 1 and current.shape[0] == group.num_embeddings):
+            errors += _scalar_errors(state_dict, present, current)  # a step count
+            if present:
+                gathered[key] = state_dict[present[0]]
+        elif present:
+            rows = _gather_rows(coll, state_dict, names, mine, current, errors)
+            if rows is not None:
+                gathered[key] = rows
+    return gathered
+
+
+def load_collection(coll, state_dict: dict, prefix: str, missing_keys: list,
+                    unexpected_keys: list, error_msgs: list) -> None:
+    """Collection `coll`'s tables from `state_dict` (nn's ``_load_from_state_dict``
+    contract): every group's entries checked first, so an error loads nothing."""
+    known, errors = set(), []
+    loads = [_gather_group(coll, g, state_dict, prefix, missing_keys, errors, known)
+             for g in range(len(coll.groups))]
+    names = {t.name for t in coll.tables}
+    rounding_keys = {f"optimizer.{key}" for key in ROUNDING_STATE}
+    for key in state_dict:
+        if not key.startswith(prefix) or key in known:
+            continue
+        table, _, rest = key[len(prefix):].partition(".")
+        if table not in names or rest not in rounding_keys:  # 16-bit tables' own
+            unexpected_keys.append(key)
+    if errors:
+        error_msgs.extend(errors)
+        return  # nothing loaded
+    for group, gathered in zip(coll.groups, loads):
+        if gathered:
+            group.load_rows(gathered, [], [], error_msgs)
