@@ -106,6 +106,9 @@ class ColocatedRows(RowStore):
             self._current = None
         buf, distinct = self.rows.stage(plan)
         slots = buf.index_select(1, distinct.inverse).to(self.device)
+        # A row's first slot in the stable sort of the stage is its owner: the duplicate
+        # gradients' sums and the write-back need no sort of the plan's own.
+        plan.adopt_owner(distinct.perm[distinct.starts[distinct.inverse]])
         self._current = _Loaded(plan, buf, distinct, slots)
         return list(slots.unbind(0))
 

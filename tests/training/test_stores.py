@@ -123,3 +123,16 @@ def test_prefetched_rows_are_never_older_than_the_host(device, kind, early, gen)
     taken = int(store.rows.counters()[Stat.PREFETCHED_LOADS])
     if kind == "colocated":  # every stage empties the carry: an early prefetch is lost
         assert taken == (0 if early else 2)
+
+
+@pytest.mark.parametrize("kind,device", [k for k in KINDS if k[0] != "separate"])
+def test_a_colocated_load_gives_its_plan_the_owner_slots(device, kind, gen):
+    """The owners a load hands its plan (from the stage's sort) are the plan's own: each
+    slot's row's first slot; a bad owner is refused."""
+    store, _ = make(kind, 2, gen, torch.device(device))
+    ids = torch.randint(0, 20, (40,), generator=gen)  # duplicates
+    plan = store.plan_for(ids)
+    store.load(plan)
+    assert torch.equal(plan.owner.cpu(), Plan(ids, device).owner.cpu())
+    with pytest.raises(ValueError, match="owner: one slot per id"):
+        plan.adopt_owner(torch.zeros(3, dtype=torch.int64))
