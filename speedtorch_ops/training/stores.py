@@ -87,7 +87,7 @@ def wait_for(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def on_stream(stream: Optional["torch.cuda.Stream"], device: torch.device, *used: Tensor):
-    """Work queued inside runs on `stream` (a store's transfer stream), after everything queued
+    """Work queued inside runs on `stream` (a store's side stream), after everything queued
     so far on the current stream of `device` (no stream, e.g. without a GPU: here and now); the
     tensors `used` (allocated on the current stream) are marked as used there, so the allocator
     does not hand their memory on before that work ran."""
