@@ -12,9 +12,8 @@ the optimizer's tables ``table[:, 1 + k]``), and both factories can ``prefetch``
 
 from __future__ import annotations
 
-from typing import Optional
-
 import math
+from typing import Optional
 
 from ..training.cache import cache_slots, check_cache_bytes
 from ..training.placement import allocate
