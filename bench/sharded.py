@@ -5,7 +5,7 @@ profiling run with the device synchronized around each phase: route (counts and 
 owners), transfer (owners staging and committing rows: cache and host link, the optimizer on
 the staged rows), exchange (rows to the requesters, gradients to the owners), compute (loss and
 backward). Each world size runs both routings (--route): the two tables in one
-ShardedEmbeddingCollection (one exchange per phase for both) and each table on its own; the
+ShardedEmbeddingDict (one exchange per phase for both) and each table on its own; the
 speedups compare the first. The 1-rank run also times the single-process HostEmbedding (no
 routing) on the same batches. Output: a table, and JSON (--json).
 
@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import speedtorch_ops as so
 from speedtorch_ops.demo.corpus import CORPORA
 from speedtorch_ops.demo.model import skipgram_loss
-from speedtorch_ops.distributed import ShardedEmbeddingCollection, ShardedHostEmbedding
+from speedtorch_ops.distributed import ShardedEmbeddingDict, ShardedHostEmbedding
 from speedtorch_ops.distributed.exchange import PhaseTimes
 
 PHASES = ("route", "transfer", "exchange", "compute")
@@ -58,11 +58,11 @@ def parse(argv=None):
     p.add_argument("--cluster-size", type=int, default=20)
     p.add_argument("--route", nargs="+", choices=["together", "apart"],
                    default=["together", "apart"],
-                   help="together: both tables in one ShardedEmbeddingCollection (one exchange "
+                   help="together: both tables in one ShardedEmbeddingDict (one exchange "
                         "per phase); apart: each table its own exchanges")
     p.add_argument("--engine", nargs="+", choices=["collection", "modules"],
                    default=["collection", "modules"],
-                   help="collection: ShardedEmbeddingBagCollection, each step one CUDA graph "
+                   help="collection: ShardedHostEmbeddingBagCollection, each step one CUDA graph "
                         "replay with the next batch's rows prefetched (eager on the CPU); "
                         "modules: ShardedHostEmbedding with --route, eager")
     p.add_argument("--exchange", nargs="+", choices=["auto", "collective", "peer"],
@@ -359,7 +359,7 @@ def run_rank(a, rank, world, local_rank):
     if "modules" in a.engine:
         u, v = tables(a, device, sharded=True)
         for route in a.route:  # the same tables, trained on: only the routing differs
-            together = ShardedEmbeddingCollection({"u": u, "v": v}) if route == "together" \
+            together = ShardedEmbeddingDict({"u": u, "v": v}) if route == "together" \
                 else None
             result[f"sharded_{route}"] = measure(a, u, v, data, device, world, together)
         result["sharded"] = result[f"sharded_{a.route[0]}"]
@@ -405,7 +405,7 @@ def report_collection(a, results):
            for k in ("collection", "collection_single_process", "hostembedding_captured")
            if k in r for y in (r[k].get("by_ids") or {"": r[k]}).values()]
     best = max(one, key=lambda x: x["samples_per_s"]) if one else None  # any ids mode
-    print(f"ShardedEmbeddingBagCollection: vocab {a.vocab:,} dim {a.dim}, {a.batch} centre "
+    print(f"ShardedHostEmbeddingBagCollection: vocab {a.vocab:,} dim {a.dim}, {a.batch} centre "
           f"words x (2 + {a.negatives}) ids per rank per step, cache {a.cache_mb:g} MiB per rank")
     print(f"{'run':<34}{'samples/s':>12}{'step ms':>9}{'hit rate':>9}  bytes a step; step ms "
           "of the windows, of each rank")

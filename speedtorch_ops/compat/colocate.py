@@ -5,18 +5,19 @@ A model factory and its optimizer factory normally keep one host table each: a b
 and its optimizer state sit in separate multi-GiB tables and move in separate transfers.
 Colocated, they share one ``ColocatedRows`` store whose host table has shape
 (rows, 1 + states, dim): a row's weight and its state are adjacent (1.5 KiB for Adam at dim 128)
-and move together; the factories' tables become views of it (``CUPYcorpus`` is ``table[:, 0]``,
+and move together, through the modules' stores of distinct rows (and their GPU row cache, with
+``cache_bytes``); the factories' tables become views of it (``CUPYcorpus`` is ``table[:, 0]``,
 the optimizer's tables ``table[:, 1 + k]``), and both factories can ``prefetch``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
-from ..memory import is_zero_copy_usable
-from ..training.cache import CachedPositions, CachedRows
+from ..training.cache import cache_slots, check_cache_bytes
 from ..training.placement import allocate
-from ..training.stores import ColocatedRows
+from ..training.positions import ColocatedRows
 from .factories import _ModelSwitcher, _OptimizerSwitcher
 
 
@@ -29,7 +30,7 @@ def _check_pair(mf, of) -> None:
     for f in (mf, of):
         if f is None:
             continue
-        if isinstance(f._store, (ColocatedRows, CachedPositions)):
+        if isinstance(f._store, ColocatedRows):
             raise ValueError(f"colocate: this {type(f).__name__} is already colocated")
         if f._placement not in ("pinned", "cpu", "cuda"):
             raise ValueError(f"colocate: {type(f).__name__} keeps its table in "
@@ -65,14 +66,18 @@ def colocate(model_factory, optimizer_factory=None, cache_bytes: int = 0):
 
     ``cache_bytes`` > 0 with the model on a GPU (not in SpeedTorch 0.1.6): a GPU row cache of
     that many bytes (rows with their optimizer state, plus the cache's index of 8 bytes per table
-    row) keeps hot rows on the GPU; a step moves only the rows it misses and the rows they evict.
-    Training is the same as without it. No ``prefetch`` then."""
+    row) keeps hot rows on the GPU, as the modules' ``cache_bytes``; a step moves only the rows
+    it misses and the rows they evict, and a prefetch only the rows the cache does not hold.
+    Training is the same as without it. (On the CPU there is no cache, as for the modules.)"""
     mf, of = model_factory, optimizer_factory
     _check_pair(mf, of)
-    if not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise ValueError(f"colocate: cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    check_cache_bytes(cache_bytes)
     keys: list = list(of.optVarList) if of is not None else []
     shape = (mf.total_classes, 1 + len(keys), mf.embed_dimension)
+    device = mf._weight().device
+    slots = 0
+    if cache_bytes and device.type == "cuda":  # raises before the table is made
+        slots = cache_slots(cache_bytes, shape[0], math.prod(shape[1:]) * mf._dtype.itemsize)
     # Zeros, or the tables' current contents (then both exist for a moment).
     host = allocate(shape, mf._dtype, mf._placement)
     if mf._store is not None:
@@ -83,17 +88,7 @@ def colocate(model_factory, optimizer_factory=None, cache_bytes: int = 0):
             host[:, 1 + k].copy_(states[k])
         else:
             host[:, 1 + k].fill_(of._fills[key])
-    device = mf._weight().device
-    store = ColocatedRows(host, device)
-    if cache_bytes and device.type == "cuda":
-        if not is_zero_copy_usable(host):
-            raise ValueError("colocate: cache_bytes needs a pinned or CUDA store (the cache's "
-                             "misses are read in place by the GPU), got ordinary host memory")
-        slots = (cache_bytes - CachedRows.index_bytes(shape[0])) // host[0].nbytes
-        if slots < 1:
-            raise ValueError(f"colocate: cache_bytes={cache_bytes} holds no row (index "
-                             f"{CachedRows.index_bytes(shape[0])} bytes, a row {host[0].nbytes})")
-        store = CachedPositions(host, device, min(slots, shape[0]))
+    store = ColocatedRows(host, device, slots)
     mf._use_store(store, [0])
     if of is not None:
         of._use_store(store, list(range(1, 1 + len(keys))))

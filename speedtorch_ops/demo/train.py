@@ -178,7 +178,7 @@ class CollectionTraining:
     one GPU row cache of ``--cache-mb``. On a GPU (``--graph auto`` or ``on``) the whole step is captured once in a
     CUDA graph (``speedtorch_ops.CapturedStep``) that also prefetches the next batch's rows.
     `sharded`: the tables split by rows over the default process group
-    (``ShardedEmbeddingBagCollection``, `exchange` its exchange)."""
+    (``ShardedHostEmbeddingBagCollection``, `exchange` its exchange)."""
 
     def __init__(self, a, device, sharded: bool = False, exchange: str = "auto"):
         cls, kwargs = OPTIMIZERS[a.optimizer](a.lr, getattr(a, "fused", None) or None)
@@ -194,8 +194,8 @@ class CollectionTraining:
                        dtype=DTYPES[getattr(a, "dtype", "float32")],
                        stochastic_rounding=getattr(a, "rounding", None) != "nearest")
         if sharded:
-            self.ebc = so.distributed.ShardedEmbeddingBagCollection(tables, exchange=exchange,
-                                                                    **options)
+            self.ebc = so.distributed.ShardedHostEmbeddingBagCollection(tables, exchange=exchange,
+                                                                        **options)
         else:
             self.ebc = so.HostEmbeddingCollection(tables, **options)
         bound = 0.5 / a.dim

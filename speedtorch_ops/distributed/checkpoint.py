@@ -217,11 +217,13 @@ def load(cls, directory: str, group, optimizer, optimizer_kwargs: Optional[dict]
     return module
 
 
-# ---- ShardedEmbeddingBagCollection ---------------------------------------------------------
+# ---- ShardedHostEmbeddingBagCollection -----------------------------------------------------
 # Layout: meta.json (the tables, the world size) and one file per rank holding, per width group
 # of the collection, its rows of the group's tables (the tables one after the other, no
 # padding row), where each state_dict entry sits in a row, and the group's scalars.
 
+# The kind a collection's meta.json records: the class's name when the layout was made, kept
+# under the class's later name so that checkpoints written before the rename load.
 COLLECTION = "ShardedEmbeddingBagCollection"
 
 
@@ -296,12 +298,13 @@ def _collection_rows(ebc, directory: str) -> list:
     path = os.path.join(directory, META)
     if not os.path.exists(path):
         raise FileNotFoundError(f"directory: no {META} in {directory!r}; is it a checkpoint "
-                                f"written by {COLLECTION}.save_shards?")
+                                f"written by {type(ebc).__name__}.save_shards?")
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT or meta.get("kind") != COLLECTION:
         raise ValueError(f"directory: {path} holds a {meta.get('kind')} checkpoint of format "
-                         f"{meta.get('format')}; this reads {COLLECTION}'s, format {FORMAT}")
+                         f"{meta.get('format')}; this reads {type(ebc).__name__}'s (kind "
+                         f"{COLLECTION}), format {FORMAT}")
     if meta["tables"] != _tables_meta(ebc):
         raise ValueError(f"directory: the checkpoint's tables [name, rows, dim, dtype] are "
                          f"{meta['tables']}, this collection's {_tables_meta(ebc)}")

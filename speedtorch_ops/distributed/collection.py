@@ -2,8 +2,8 @@
 engine, with a step the host never waits in (so ``CapturedStep`` captures it whole, NCCL
 collectives included):
 
-    ebc = ShardedEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
-                                        optimizer_kwargs={"lr": 1e-3}, cache_bytes=1 << 30)
+    ebc = ShardedHostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
+                                            optimizer_kwargs={"lr": 1e-3}, cache_bytes=1 << 30)
     out = ebc(kjt)              # collective: {feature: (stride, D)} as the single-process one
     loss.backward()             # local
     ebc.step()                  # collective
@@ -117,7 +117,7 @@ def _peer_buffers(coll, exchange: str) -> Optional[_PeerBuffers]:
     return buffers
 
 
-class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
+class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
     """``HostEmbeddingBagCollection`` split by rows across a process group (see the module
     docstring); ``forward``, ``prefetch`` and ``step`` are collective (every rank calls them
     in the same order), backward is local.
@@ -149,8 +149,8 @@ class ShardedEmbeddingBagCollection(HostEmbeddingBagCollection):
 
     Example::
 
-        ebc = ShardedEmbeddingBagCollection([TableConfig("user", 50_000_000, 128)],
-                                            optimizer=torch.optim.Adam, cache_bytes=8 << 30)
+        ebc = ShardedHostEmbeddingBagCollection([TableConfig("user", 50_000_000, 128)],
+                                                optimizer=torch.optim.Adam, cache_bytes=8 << 30)
         out = ebc(KeyedJaggedTensor.from_lengths_sync(["user"], ids, lengths))
         out["user"].sum().backward(); ebc.step()
     """

@@ -173,7 +173,7 @@ class _ShardedRows(nn.Module):
         self._pending: Optional[_RoutedStep] = None
         self.timer: Optional[PhaseTimes] = None  # set for a profiling run (bench/sharded.py)
         self.steps = 0
-        self._name = "ids"  # in errors; a collection names its tables
+        self._name = "ids"  # in errors; a ShardedEmbeddingDict names its tables
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,8 +225,7 @@ class _ShardedRows(nn.Module):
                                "with grad enabled) since the last step")
         if len(self._pending.members) > 1:
             raise RuntimeError(f"{type(self).__name__}.step(): its rows were routed with other "
-                               "tables' by a ShardedEmbeddingCollection; call the collection's "
-                               "step()")
+                               "tables' by a ShardedEmbeddingDict; call the dict's step()")
         _step_together(self._pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # gradients live per step
@@ -361,24 +360,33 @@ class ShardedHostEmbeddingBag(_ShardedRows):
         return (input,), pooled
 
 
-class ShardedEmbeddingCollection(nn.Module):
-    """Several sharded tables whose ids, rows and gradients travel together: a step makes one
-    exchange per phase (counts, ids, rows, gradients) for all of them instead of one per table,
-    as TorchRec's sharded embedding collections do.
-
-        tables = ShardedEmbeddingCollection({"user": ShardedHostEmbedding(...),
-                                             "item": ShardedHostEmbeddingBag(...)})
-        out = tables({"user": user_ids, "item": (item_ids, offsets)})   # collective
-        loss.backward()
-        tables.step()                                                   # collective
+class ShardedEmbeddingDict(nn.Module):
+    """A dict of ``ShardedHostEmbedding`` / ``ShardedHostEmbeddingBag`` modules whose ids, rows
+    and gradients travel together: a step makes one exchange per phase (counts, ids, rows,
+    gradients) for all of them instead of one per table. Each exchange sends its counts first,
+    so its sizes follow the ids (for exchanges of fixed shapes, which a CUDA graph captures,
+    use ``ShardedHostEmbeddingBagCollection``).
 
     ``forward(inputs)``: a dict with every table's name (every rank passes every table, an
     empty id tensor where it has none), each value what that table's forward takes (a tensor,
     or a tuple of its arguments: several id tensors, or a bag's input, offsets and
-    per_sample_weights); returns a dict of the tables' outputs. The tables must share the
-    process group, a dtype and their mode (training or eval), and every rank must build the
-    collection with the same names in the same order (the order of the tables in a buffer). Bad input on any rank (a missing name, an id
-    out of range, bad bag arguments) raises on every rank before any id moves."""
+    per_sample_weights); returns a dict of the tables' outputs. Bad input on any rank (a
+    missing name, an id out of range, bad bag arguments) raises on every rank before any id
+    moves. ``step()`` (collective) updates every table; a table's own ``step()`` raises.
+
+    Args:
+        tables: name -> sharded module. The modules share the process group, a dtype and their
+            mode (training or eval); every rank builds the dict with the same names in the
+            same order (the order of the tables in a buffer).
+
+    Example::
+
+        tables = ShardedEmbeddingDict({"user": ShardedHostEmbedding(...),
+                                       "item": ShardedHostEmbeddingBag(...)})
+        out = tables({"user": user_ids, "item": (item_ids, offsets)})   # collective
+        loss.backward()
+        tables.step()                                                   # collective
+    """
 
     def __init__(self, tables: dict):
         super().__init__()
@@ -394,7 +402,7 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError("tables: a module is listed twice")
         for name, m in tables.items():
             # The routing groups may differ (on NCCL each module makes its own gloo group over
-            # the same ranks): the collection routes on the first table's.
+            # the same ranks): the dict routes on the first table's.
             if m.group is not first.group:
                 raise ValueError(f"tables[{name!r}] uses another process group than the first "
                                  "table; the tables travel together on one")
@@ -425,7 +433,7 @@ class ShardedEmbeddingCollection(nn.Module):
         """Collective: every table's update (one gradient exchange for all)."""
         pending = [m._pending for m in self.tables.values()]
         if any(p is None for p in pending) or any(p is not pending[0] for p in pending):
-            raise RuntimeError("ShardedEmbeddingCollection.step(): no forward of the collection "
+            raise RuntimeError("ShardedEmbeddingDict.step(): no forward of the dict "
                                "(in training mode, with grad enabled) since the last step")
         _step_together(pending[0])
 

@@ -2,6 +2,7 @@
 stores that move a batch's rows, where tables live, and optimizer-state layouts."""
 
 from .plan import Plan, sum_into_owners
-from .stores import ColocatedRows, RowStore, SeparateTables
+from .positions import ColocatedRows
+from .stores import RowStore, SeparateTables
 
 __all__ = ["Plan", "sum_into_owners", "RowStore", "SeparateTables", "ColocatedRows"]

@@ -64,7 +64,7 @@ from torch.profiler import record_function
 
 from .. import ops
 from .plan import Plan
-from .stores import RowStore, on_stream, wait_for
+from .stores import on_stream, wait_for
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
@@ -896,60 +896,3 @@ class CachedRows(HostRows):
                 torch.cuda.current_stream(self.device).wait_event(self._ahead_planned)
             self._forget_deferred()
         wait_for(self.device)  # the host reads the table next
-
-
-class _Loaded(NamedTuple):
-    """The batch a CachedPositions store loaded last: its plan, the cache's staged rows and
-    their Distinct, and the rows expanded to the batch's slots."""
-    plan: Plan
-    buf: Tensor
-    distinct: Distinct
-    slots: Tensor
-
-
-class CachedPositions(RowStore):
-    """The GPU row cache as a row store for the compatible factories: their batch-sized modules
-    hold one slot per id (duplicates included), so a load expands the cache's distinct rows to
-    the slots, and a write-back folds each row's owner slot back before the cache commits."""
-
-    def __init__(self, host: Tensor, device: torch.device, slots: int):
-        self.rows = CachedRows(host, device, slots)
-        self.device = self.rows.device
-        self.host = host
-        self._current: Optional[_Loaded] = None
-        self._written: Optional[Plan] = None  # the last batch written back
-
-    def tables(self):
-        self.rows.flush()
-        return [self.host[:, k] for k in range(self.host.shape[1])]
-
-    def _recent_plans(self):
-        return (self._current.plan if self._current is not None else None, self._written)
-
-    def load(self, plan: Plan, out=None):
-        if self._current is not None and self._current.plan is plan:
-            return list(self._current.slots.unbind(0))
-        if self._current is not None:
-            self.rows.discard()  # a batch that was never written back leaves nothing behind
-        buf, d = self.rows.stage(plan)
-        slots = buf.index_select(1, d.inverse)  # every slot gets its row
-        self._current = _Loaded(plan, buf, d, slots)
-        return list(slots.unbind(0))
-
-    def write_back(self, plan: Plan, rows=()) -> None:
-        current = self._current
-        if current is None and plan is self._written:
-            return  # the pair's second call
-        if current is None or current.plan is not plan:
-            raise ValueError("write_back: these ids are not the batch loaded last by this store")
-        _, buf, d, slots = current
-        # Each slot writes its owner's values, so all writes to a distinct row agree.
-        buf.index_copy_(1, d.inverse, slots.index_select(1, plan.owner))
-        self.rows.commit()
-        self._current, self._written = None, plan
-
-    def settle(self, writing: bool = False) -> None:
-        if writing:
-            self.rows.flush()
-            self.rows.reset()
-            self._current = None  # the reset dropped the staged batch

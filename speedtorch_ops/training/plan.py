@@ -170,11 +170,19 @@ class Plan:
 
     @property
     def owner(self) -> Tensor:
-        """The owner slot of each slot."""
+        """The owner slot of each slot (see ``adopt_owner``)."""
         if self._owner is None:
             _, perm = self.sorted
             self._owner = torch.empty_like(perm).index_copy_(0, perm, self.owner_sorted)
         return self._owner
+
+    def adopt_owner(self, owner: Tensor) -> None:
+        """Take `owner` (the owner slot of each slot, on the plan's device) as ``owner``, which
+        then needs no sort of its own: a store that sorted these ids already found it."""
+        if owner.shape != (len(self),):
+            raise ValueError(f"owner: one slot per id ({len(self)}), got shape "
+                             f"{tuple(owner.shape)}")
+        self._owner = owner
 
 
 def sum_into_owners(grad: Tensor, owner: Tensor) -> Tensor:

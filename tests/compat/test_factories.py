@@ -86,7 +86,8 @@ def factories(store, model, opt, dtype):
 def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain"):
     """mode: "plain" (0.1.6's calls), "colocated" (so.colocate on each pair before the init
     methods), "prefetch" (colocated after them, and each step prefetches the next batch right
-    after beforeForwardPass)."""
+    after beforeForwardPass), "cached" (colocated before them with a GPU row cache),
+    "cached-prefetch" (that, prefetching)."""
     dtype = torch.float64
     model = SlotModel(B, B * (P + N), sparse=opt_name == "SparseAdam").to(device, dtype)
     opt = make_optimizer(opt_name, model.parameters())
@@ -94,7 +95,7 @@ def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain")
     if mode == "colocated":  # before the init methods (they fill the shared tables)
         so.colocate(u_sw, u_opt)
         so.colocate(v_sw, v_opt)
-    if mode == "cached":  # a GPU row cache of 4 rows: evictions every step
+    if mode.startswith("cached"):  # a GPU row cache of 4 rows: evictions every step
         row = (1 + len(u_opt.optVarList)) * D * 8
         so.colocate(u_sw, u_opt, cache_bytes=V * 8 + 4 * row)
         so.colocate(v_sw, v_opt, cache_bytes=V * 8 + 4 * row)
@@ -113,7 +114,7 @@ def train_switchers(device, store, opt_name, data, init_u, init_v, mode="plain")
             v_sw.beforeForwardPass(ctx, negs)
             u_opt.beforeForwardPass(labels)
             v_opt.beforeForwardPass(ctx, negs)
-            if mode == "prefetch" and step + 1 < len(data):
+            if mode.endswith("prefetch") and step + 1 < len(data):
                 next_labels, next_ctx, next_negs = data[step + 1]
                 u_sw.prefetch(next_labels)
                 v_opt.prefetch(next_ctx, next_negs)  # either factory of a pair may call it
@@ -225,9 +226,9 @@ def test_stateful_optimizers_equal_lazy_reference(device, store, duplicates, opt
 
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached"])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached", "cached-prefetch"])
 def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mode, gen):
-    if mode == "cached" and (device == "cpu" or store == "cpu"):
+    if mode.startswith("cached") and (device == "cpu" or store == "cpu"):
         pytest.skip("the row cache is on the GPU, in front of a pinned or CUDA store")
     data = batches(5, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
@@ -244,15 +245,16 @@ def test_colocated_sgd_equals_full_table_training(device, store, duplicates, mod
 
 @pytest.mark.parametrize("device,store", CONFIGS)
 @pytest.mark.parametrize("duplicates", [False, True])
-@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached"])
+@pytest.mark.parametrize("mode", ["colocated", "prefetch", "cached", "cached-prefetch"])
 @pytest.mark.parametrize("opt_name", ["Adam", "Adam-fused", "AdamW", "Adagrad", "RMSprop",
                                       "Rprop", "SparseAdam"])
 def test_colocated_optimizers_equal_lazy_reference(device, store, duplicates, mode, opt_name,
                                                    gen):
-    """Colocated rows, with and without prefetch, and behind a GPU row cache of 4 rows: the
-    same result as the lazy reference (the duplicate batches repeat rows from step to step, so
-    prefetched rows are patched and cached rows hit)."""
-    if mode == "cached" and (device == "cpu" or store == "cpu"):
+    """Colocated rows, with and without prefetch, and behind a GPU row cache of 4 rows (with
+    and without prefetch): the same result as the lazy reference (the duplicate batches repeat
+    rows from step to step, so the next batch shares rows with the one being trained when its
+    prefetch starts, and cached rows hit)."""
+    if mode.startswith("cached") and (device == "cpu" or store == "cpu"):
         pytest.skip("the row cache is on the GPU, in front of a pinned or CUDA store")
     data = batches(5, duplicates, gen)
     init_u = torch.randn(V, D, dtype=torch.float64, generator=gen)
@@ -333,6 +335,30 @@ def test_colocate_refuses_bad_pairs(tmp_path, monkeypatch, gen):
         mf.afterOptimizerStep(np.array([1, 2, 4]))
     with pytest.raises(RuntimeError, match="out of range"):
         mf.prefetch(np.array([0, V]))
+
+
+@pytest.mark.parametrize("device,store", CONFIGS)
+def test_colocate_refuses_bad_cache_bytes_and_changes_nothing(device, store, gen):
+    """A cache_bytes that is no int >= 0, too small for one row, or (on a GPU) in front of
+    ordinary host memory raises naming it; the factories keep their tables and colocate after."""
+    model = SlotModel(B, B).to(device, torch.float64)
+    opt = torch.optim.Adam(model.parameters())
+    mf, _, of, _ = factories(store, model, opt, torch.float64)
+    init = torch.randn(V, D, dtype=torch.float64, generator=gen)
+    mf.customInit(lambda t: t.copy_(init))
+    of.optInit()
+    bad = [-1, 1.5, True]
+    if device == "cuda":  # the CPU has no cache: a budget there is not used
+        bad.append(V * 8 + 10)  # the index fits, no row does
+    for cache_bytes in bad:
+        with pytest.raises(ValueError, match="cache_bytes"):
+            so.colocate(mf, of, cache_bytes=cache_bytes)
+    if device == "cuda" and store == "cpu":
+        with pytest.raises(ValueError, match="cache_bytes.*needs a pinned or CUDA"):
+            so.colocate(mf, of, cache_bytes=1 << 20)
+    assert np.array_equal(mf.getNumpyVersion(), init.numpy())
+    rows = so.colocate(mf, of)  # not colocated by the failed calls
+    assert torch.equal(rows.host[:, 0].cpu(), init)
 
 
 def test_colocated_checkpoint_waits_and_drops_prefetch(gen):

@@ -1,13 +1,13 @@
-"""What each rank runs in the tests of ShardedEmbeddingBagCollection, against the single-process
-HostEmbeddingBagCollection on the CPU in float64, trained on every rank's batch concatenated
-(keys in order, each key's samples rank after rank) with the ranks' losses summed. Every rank
-draws every rank's batch from (seed, step, rank), so each runs the reference itself."""
+"""What each rank runs in the tests of ShardedHostEmbeddingBagCollection, against the
+single-process HostEmbeddingBagCollection on the CPU in float64, trained on every rank's batch
+concatenated (keys in order, each key's samples rank after rank) with the ranks' losses summed.
+Every rank draws every rank's batch from (seed, step, rank), so each runs the reference itself."""
 
 import torch
 
 from speedtorch_ops import (HostEmbeddingBagCollection, KeyedJaggedTensor, PartialRowWiseAdam,
                             RowWiseAdagrad, TableConfig, clip_grad_norm_, count_parameters)
-from speedtorch_ops.distributed import ShardedEmbeddingBagCollection
+from speedtorch_ops.distributed import ShardedHostEmbeddingBagCollection
 
 F64 = torch.float64
 OPTIMIZERS = {
@@ -94,10 +94,10 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
         torch.manual_seed(seed)
         ref = HostEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
                                          device="cpu", dtype=F64, is_weighted=weighted)
-        sharded = ShardedEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
-                                                device=device, dtype=F64, grad_scale=grad_scale,
-                                                cache_bytes=cache_bytes, exchange=exchange,
-                                                is_weighted=weighted)
+        sharded = ShardedHostEmbeddingBagCollection(tables, optimizer=cls, optimizer_kwargs=kwargs,
+                                                    device=device, dtype=F64, grad_scale=grad_scale,
+                                                    cache_bytes=cache_bytes, exchange=exchange,
+                                                    is_weighted=weighted)
         sharded.load_state_dict(ref.state_dict())
         for step in range(3):
             batches = [batch(tables, seed, step, r, 2 + r, empty=step == 1 and r == world - 1,
@@ -150,8 +150,8 @@ def bad_input_raises_everywhere(rank, world, device, seed, exchange="auto"):
     cls, kwargs = OPTIMIZERS["Adam"]
     ref = HostEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
                                      device="cpu", dtype=F64)
-    sharded = ShardedEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
-                                            device=device, dtype=F64, exchange=exchange)
+    sharded = ShardedHostEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
+                                                device=device, dtype=F64, exchange=exchange)
     sharded.load_state_dict(ref.state_dict())
     before = sharded.gather_state_dict()
     b = batch(TABLES, seed, 0, rank, 3)
@@ -229,7 +229,7 @@ def captured_equals_eager(rank, world, device, seed, exchange):
     kwargs = dict(optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "capturable": True},
                   device=device, cache_bytes=200 * 32 * 4 * 3, bounds_check="prechecked",
                   exchange=exchange)
-    eager = ShardedEmbeddingBagCollection(tables, **kwargs)
+    eager = ShardedHostEmbeddingBagCollection(tables, **kwargs)
     start = eager.gather_state_dict()
     stride, per_bag = 64 + 16 * rank, 3
 
@@ -257,7 +257,7 @@ def captured_equals_eager(rank, world, device, seed, exchange):
     # The eager step is reproducible, on the default stream and on a side stream (where
     # CapturedStep runs its warm-up calls): a difference below is then the capture's.
     for side in (None, torch.cuda.Stream(device)):
-        again = ShardedEmbeddingBagCollection(tables, **kwargs)
+        again = ShardedHostEmbeddingBagCollection(tables, **kwargs)
         again.load_state_dict(start)
         for i, loss in zip(steps, losses):
             if side is None:
@@ -270,7 +270,7 @@ def captured_equals_eager(rank, world, device, seed, exchange):
             assert torch.equal(got, loss), ("eager again", side is not None, i, float(got),
                                             float(loss), seed)
         del again
-    captured = ShardedEmbeddingBagCollection(tables, **kwargs)
+    captured = ShardedHostEmbeddingBagCollection(tables, **kwargs)
     captured.load_state_dict(start)
     step = CapturedStep(lambda a, b: train(captured, a, b), rows=(4001, 997),
                         group=captured.route_group)
@@ -317,8 +317,8 @@ def checkpoint_phase(rank, world, device, seed, schedule, load_from, save_to, st
     state (load_from None) or from the files a phase at another world size saved; then saves.
     Each step's whole tables equal the reference's."""
     cls, kwargs = OPTIMIZERS["AdamW-amsgrad"]
-    sharded = ShardedEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
-                                            device=device, dtype=F64)
+    sharded = ShardedHostEmbeddingBagCollection(TABLES, optimizer=cls, optimizer_kwargs=kwargs,
+                                                device=device, dtype=F64)
     if load_from is None:
         sharded.load_state_dict(_reference(seed, schedule, []).state_dict())
     else:
@@ -342,12 +342,12 @@ def bad_checkpoints_raise(rank, world, device, directory):
     """A checkpoint of other tables, or of another optimizer's state, raises naming what
     differs and loads nothing."""
     tables = [TableConfig("a", 37, 5, pooling="sum"), TableConfig("b", 23, 3, pooling="none")]
-    adam = ShardedEmbeddingBagCollection(tables, optimizer=torch.optim.Adam, device=device,
-                                         dtype=F64)
+    adam = ShardedHostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam, device=device,
+                                             dtype=F64)
     adam.save_shards(directory)
-    sgd = ShardedEmbeddingBagCollection(tables, optimizer=torch.optim.SGD,
-                                        optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
-                                        device=device, dtype=F64)
+    sgd = ShardedHostEmbeddingBagCollection(tables, optimizer=torch.optim.SGD,
+                                            optimizer_kwargs={"lr": 0.1, "momentum": 0.9},
+                                            device=device, dtype=F64)
     before = sgd.gather_state_dict()
     try:
         sgd.load_shards(directory)
@@ -355,8 +355,8 @@ def bad_checkpoints_raise(rank, world, device, directory):
         assert "momentum_buffer" in str(e) and "exp_avg" in str(e), str(e)
     else:
         raise AssertionError("no error")
-    other = ShardedEmbeddingBagCollection(tables[:1], optimizer=torch.optim.Adam, device=device,
-                                          dtype=F64)
+    other = ShardedHostEmbeddingBagCollection(tables[:1], optimizer=torch.optim.Adam, device=device,
+                                              dtype=F64)
     try:
         other.load_shards(directory)
     except ValueError as e:
@@ -373,8 +373,8 @@ def bad_exchange_raises(rank, world, device):
     import pytest
     for exchange, message in (("peer", "exchange='peer' needs"), ("ring", "exchange must be")):
         with pytest.raises(ValueError, match=message):
-            ShardedEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
-                                          exchange=exchange)
-    ok = ShardedEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
-                                       exchange="collective")  # the group goes on working
+            ShardedHostEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
+                                              exchange=exchange)
+    ok = ShardedHostEmbeddingBagCollection(TABLES, optimizer=torch.optim.Adam, device=device,
+                                           exchange="collective")  # the group goes on working
     assert ok._peer is None

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from speedtorch_ops import HostEmbedding, HostEmbeddingBag, PartialRowWiseAdam, RowWiseAdagrad
-from speedtorch_ops.distributed import (ShardedEmbeddingCollection, ShardedHostEmbedding,
+from speedtorch_ops.distributed import (ShardedEmbeddingDict, ShardedHostEmbedding,
                                         ShardedHostEmbeddingBag, exchange, full_state_dict)
 
 ROWS, DIM, HOT = 37, 5, 7  # 37 is divisible by none of 2, 3, 4; an odd dimension
@@ -269,9 +269,9 @@ def load_into_single_process(directory, seed, schedule, steps):
         assert torch.allclose(emb.state_dict()[key], value, rtol=1e-10, atol=1e-12), key
 
 
-def collection_like_one_process(rank, world, device, seed):
+def dict_like_one_process(rank, world, device, seed):
     """Two tables of different sizes and widths (an embedding with Adam, a sum bag with
-    per-sample weights and RMSprop) in one ShardedEmbeddingCollection: step for step equal to
+    per-sample weights and RMSprop) in one ShardedEmbeddingDict: step for step equal to
     the single-process modules on the concatenated batches, with an empty batch on one rank,
     in 4 collectives per step (counts, ids, rows, gradients) where the two modules alone take
     8; bad input on one rank raises on all and writes nothing."""
@@ -300,7 +300,7 @@ def collection_like_one_process(rank, world, device, seed):
                 torch.randn(n, dim_b, dtype=F64, generator=g))
 
     a, b = modules(True)
-    coll = ShardedEmbeddingCollection({"a": a, "b": b})
+    coll = ShardedEmbeddingDict({"a": a, "b": b})
     ref_a, ref_b = modules(False)
     calls = []
     real = exchange._all_to_all
@@ -322,15 +322,15 @@ def collection_like_one_process(rank, world, device, seed):
             outs = ref_b(torch.cat([x[0] for x in bb]), None, torch.cat([x[1] for x in bb]))
             loss_of(outs, torch.cat([x[2] for x in bb])).backward()
             ref_b.step()
-            assert_same_state(a, ref_a, f"collection table a, step {step} world {world}")
-            assert_same_state(b, ref_b, f"collection table b, step {step} world {world}")
+            assert_same_state(a, ref_a, f"dict table a, step {step} world {world}")
+            assert_same_state(b, ref_b, f"dict table b, step {step} world {world}")
         before = len(calls)
         out_a = a(ab[rank][0].to(device))  # alone: 2 collectives to route, 1 for the rows
         loss_of(out_a, ab[rank][1].to(device)).backward()
         a.step()
         assert len(calls) - before == (4 if world > 1 else 0)
         reference_step(ref_a, ab)
-        assert_same_state(a, ref_a, f"table a alone after the collection, world {world}")
+        assert_same_state(a, ref_a, f"table a alone after the dict, world {world}")
     finally:
         exchange._all_to_all = real
     saved = a.gather_state_dict(), b.gather_state_dict()
@@ -357,10 +357,10 @@ def collection_like_one_process(rank, world, device, seed):
         assert all(torch.equal(after[k], before[k]) for k in before)
     out = coll({"a": ids.to(device), "b": bags(5, rank)[0].to(device)})
     assert out["a"].shape == (*ids.shape, DIM) and out["b"].shape == (len(bag_ids), dim_b)
-    with pytest.raises(RuntimeError, match="call the collection's step"):
+    with pytest.raises(RuntimeError, match="call the dict's step"):
         a.step()
     coll.step()
-    # A 1-D bag input with offsets through the collection, against the bag alone.
+    # A 1-D bag input with offsets through the dict, against the bag alone.
     flat_ids = bags(6, rank)[0].reshape(-1)
     offsets = torch.arange(0, flat_ids.numel(), 3)
     with torch.no_grad():
@@ -368,7 +368,7 @@ def collection_like_one_process(rank, world, device, seed):
         alone = b(flat_ids.to(device), offsets.to(device))
     assert torch.equal(out["b"], alone)
     # Bad input on one rank only raises on every rank (nothing hangs, nothing is written):
-    # bag arguments of a wrong type, in the collection and to a bag alone; mixed modes.
+    # bag arguments of a wrong type, in the dict and to a bag alone; mixed modes.
     before = b.gather_state_dict()
     weights = bags(5, rank)[1] if rank != world - 1 else [[1.0]]  # a list: no tensor methods
     with pytest.raises(Exception):
@@ -382,9 +382,9 @@ def collection_like_one_process(rank, world, device, seed):
     after = b.gather_state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
     out = coll({"a": ids.to(device), "b": bags(5, rank)[0].to(device)})
-    coll.step()  # the collection goes on working
+    coll.step()  # the dict goes on working
     with pytest.raises(ValueError, match="dtype"):
-        ShardedEmbeddingCollection({"a": a, "c": ShardedHostEmbedding(5, 2, dtype=torch.float32,
-                                                                       device=device)})
+        ShardedEmbeddingDict({"a": a, "c": ShardedHostEmbedding(5, 2, dtype=torch.float32,
+                                                                 device=device)})
     with pytest.raises(ValueError, match="listed twice"):
-        ShardedEmbeddingCollection({"a": a, "again": a})
+        ShardedEmbeddingDict({"a": a, "again": a})

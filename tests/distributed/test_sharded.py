@@ -52,11 +52,11 @@ def test_bag_and_several_id_tensors(backend, seed, tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_collection_routes_its_tables_together(backend, seed):
-    """ShardedEmbeddingCollection: an embedding and a bag of other sizes, one exchange per
+def test_a_dict_routes_its_tables_together(backend, seed):
+    """ShardedEmbeddingDict: an embedding and a bag of other sizes, one exchange per
     phase for both, equal to the single-process modules; one rank (no exchange) on gloo too."""
     for world in worlds(backend, [1, 2, 3]):
-        run_ranks(w.collection_like_one_process, world, seed, backend=backend)
+        run_ranks(w.dict_like_one_process, world, seed, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,6 +1,6 @@
-"""ShardedEmbeddingBagCollection on 1 to 4 processes against the single-process collection on the
-concatenated batches (collection_workers.py). gloo on the CPU here and in CI; the NCCL variants
-need two GPUs (the 2-GPU machine)."""
+"""ShardedHostEmbeddingBagCollection on 1 to 4 processes against the single-process collection
+on the concatenated batches (collection_workers.py). gloo on the CPU here and in CI; the NCCL
+variants need two GPUs (the 2-GPU machine)."""
 
 import secrets
 
