@@ -30,7 +30,8 @@ import torch
 
 from speedtorch_ops import ops
 from speedtorch_ops.demo.corpus import ZipfCorpus
-from speedtorch_ops.training.cache import CachedRows, HostRows
+from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops.training.host_rows import HostRows
 from speedtorch_ops.training.plan import Plan
 
 

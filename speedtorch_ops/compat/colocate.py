@@ -30,30 +30,30 @@ def _check_pair(mf, of) -> None:
     for f in (mf, of):
         if f is None:
             continue
-        if isinstance(f._store, ColocatedRows):
+        if isinstance(f.store, ColocatedRows):
             raise ValueError(f"colocate: this {type(f).__name__} is already colocated")
-        if f._placement not in ("pinned", "cpu", "cuda"):
+        if f.placement not in ("pinned", "cpu", "cuda"):
             raise ValueError(f"colocate: {type(f).__name__} keeps its table in "
-                             f"{f._placement!r} storage; only pinned, CPU and CUDA stores "
+                             f"{f.placement!r} storage; only pinned, CPU and CUDA stores "
                              "can share one table")
-    weight = mf._weight()
-    if weight.dtype != mf._dtype:
+    weight = mf.model_weight()
+    if weight.dtype != mf.table_dtype:
         raise ValueError(f"colocate: the model's weight is {weight.dtype} but the table is "
-                         f"{mf._dtype}; they must match (the batch's rows become the weight "
+                         f"{mf.table_dtype}; they must match (the batch's rows become the weight "
                          "without a copy)")
     if of is None:
         return
     shape = (mf.total_classes, mf.embed_dimension)
-    if of._param is not weight:
+    if of.param is not weight:
         raise ValueError("colocate: the optimizer factory's variable is not this model "
                          "factory's weight")
-    if of._placement != mf._placement:
+    if of.placement != mf.placement:
         raise ValueError(f"colocate: the stores must be in the same place, got "
-                         f"{mf._placement!r} and {of._placement!r}")
-    if (of.total_classes, of.embed_dimension) != shape or of._dtype != mf._dtype:
+                         f"{mf.placement!r} and {of.placement!r}")
+    if (of.total_classes, of.embed_dimension) != shape or of.table_dtype != mf.table_dtype:
         state_shape = (of.total_classes, of.embed_dimension)
-        raise ValueError(f"colocate: the state tables are {state_shape} {of._dtype}, "
-                         f"the weight table {shape} {mf._dtype}; they must match")
+        raise ValueError(f"colocate: the state tables are {state_shape} {of.table_dtype}, "
+                         f"the weight table {shape} {mf.table_dtype}; they must match")
 
 
 def colocate(model_factory, optimizer_factory=None, cache_bytes: int = 0):
@@ -74,22 +74,23 @@ def colocate(model_factory, optimizer_factory=None, cache_bytes: int = 0):
     check_cache_bytes(cache_bytes)
     keys: list = list(of.optVarList) if of is not None else []
     shape = (mf.total_classes, 1 + len(keys), mf.embed_dimension)
-    device = mf._weight().device
+    device = mf.model_weight().device
     slots = 0
     if cache_bytes and device.type == "cuda":  # raises before the table is made
-        slots = cache_slots(cache_bytes, shape[0], math.prod(shape[1:]) * mf._dtype.itemsize)
+        slots = cache_slots(cache_bytes, shape[0], math.prod(shape[1:]) * mf.table_dtype.itemsize)
     # Zeros, or the tables' current contents (then both exist for a moment).
-    host = allocate(shape, mf._dtype, mf._placement)
-    if mf._store is not None:
-        host[:, 0].copy_(mf._tables()[0])
-    states: Optional[list] = of._tables() if of is not None and of._store is not None else None
+    host = allocate(shape, mf.table_dtype, mf.placement)
+    if mf.store is not None:
+        (weight,) = mf.tables()
+        host[:, 0].copy_(weight)
+    states: Optional[list] = of.tables() if of is not None and of.store is not None else None
     for k, key in enumerate(keys):
         if states is not None:
             host[:, 1 + k].copy_(states[k])
         else:
-            host[:, 1 + k].fill_(of._fills[key])
+            host[:, 1 + k].fill_(of.fills[key])
     store = ColocatedRows(host, device, slots)
-    mf._use_store(store, [0])
+    mf.use_store(store, [0])
     if of is not None:
-        of._use_store(store, list(range(1, 1 + len(keys))))
+        of.use_store(store, list(range(1, 1 + len(keys))))
     return store

@@ -47,11 +47,12 @@ class _TableMethods:
         if not isinstance(getattr(cls, cls._attr, None), property):
             setattr(cls, cls._attr, property(cls._public, cls._adopt))
 
-    _store: Optional[RowStore] = None
+    store: Optional[RowStore] = None  # where the tables live (see colocate)
     _parts: List[int] = []  # the parts of the store that are this object's tables
 
-    def _use_store(self, store: RowStore, parts: List[int]) -> None:
-        self._store, self._parts = store, list(parts)
+    def use_store(self, store: RowStore, parts: List[int]) -> None:
+        """Keep the tables in `store`, as its parts `parts` (colocate shares one store)."""
+        self.store, self._parts = store, list(parts)
 
     def _store_device(self) -> torch.device:
         return torch.device("cpu")
@@ -59,34 +60,35 @@ class _TableMethods:
     def _adopt(self, value) -> None:
         """Tables given by the user (or an init method) become a store of separate tables."""
         tables = list(value) if isinstance(value, (list, tuple)) else [value]
-        self._use_store(SeparateTables(tables, self._store_device(), self._batch_dtype()),
+        self.use_store(SeparateTables(tables, self._store_device(), self._batch_dtype()),
                         list(range(len(tables))))
 
     def _batch_dtype(self) -> Optional[torch.dtype]:
         return None
 
     def _public(self):
-        if self._store is None:
+        if self.store is None:
             return None
-        tables = self._store.tables()
+        tables = self.store.tables()
         mine = [tables[k] for k in self._parts]
         return mine if self._listed else mine[0]
 
     def _settle(self, writing: bool = False) -> None:
         """Wait for the store's own transfers before the host reads (or writes) the tables."""
-        if self._store is not None:
-            self._store.settle(writing)
+        if self.store is not None:
+            self.store.settle(writing)
 
-    def _tables(self) -> list:
-        if self._store is None:
+    def tables(self) -> list:
+        """This object's tables, as its store holds them now."""
+        if self.store is None:
             raise RuntimeError(f"{type(self).__name__} has no table yet: call an init method "
                                "(e.g. zerosInit(), optInit(), comInit(), gadgetInit()) first")
-        tables = self._store.tables()
+        tables = self.store.tables()
         return [tables[k] for k in self._parts]
 
     def _stacked(self) -> np.ndarray:
         self._settle()
-        tables = [t.detach().cpu().numpy() for t in self._tables()]
+        tables = [t.detach().cpu().numpy() for t in self.tables()]
         return np.stack(tables) if self._listed else tables[0]
 
     def getNumpyVersion(self) -> np.ndarray:
@@ -98,7 +100,7 @@ class _TableMethods:
         the tables (no second copy in memory) and atomic (a killed save leaves the old file)."""
         name = str(saveFileName)
         self._settle()
-        tables = self._tables()
+        tables = self.tables()
         io.save_npy(tables if self._listed else tables[0],
                     name if name.endswith(".npy") else name + ".npy")
 
@@ -111,7 +113,7 @@ class _TableMethods:
     def saveTorch(self, saveFileName: str) -> None:
         """``torch.save`` of the table (of the list of state tables), atomic."""
         self._settle()
-        tables = self._tables()
+        tables = self.tables()
         io.save_checkpoint(list(tables) if self._listed else tables[0], saveFileName)
 
     def loadTorch(self, loadFileName: str) -> None:
@@ -126,7 +128,7 @@ class _TableMethods:
         """Copy `loaded` (one tensor per table) into the tables; every shape and dtype is checked
         before anything is written."""
         self._settle(writing=True)
-        tables = self._tables()
+        tables = self.tables()
         shape = (len(tables), *tables[0].shape) if self._listed else tuple(tables[0].shape)
         if self._listed:
             got = (len(loaded), *loaded[0].shape) if loaded else (0,)
@@ -147,11 +149,11 @@ class _TableMethods:
     def state_dict(self) -> dict:
         """The store(s), for checkpoints (``torch.save`` keeps pinned tensors as ordinary ones)."""
         self._settle()
-        return {"tables": list(self._tables())}
+        return {"tables": list(self.tables())}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._settle(writing=True)
-        tables = self._tables()
+        tables = self.tables()
         loaded = state_dict["tables"]
         if len(loaded) != len(tables):
             raise ValueError(f"checkpoint has {len(loaded)} tables, this store {len(tables)}")
@@ -168,9 +170,9 @@ class _Switcher(_TableMethods):
     _plan: Optional[Plan] = None
 
     def _plan_for(self, pos, neg) -> Plan:
-        if self._store is None:
-            self._tables()  # raises: no table yet
-        return self._store.plan_for(reshaped_retrieval(pos, neg))
+        if self.store is None:
+            self.tables()  # raises: no table yet
+        return self.store.plan_for(reshaped_retrieval(pos, neg))
 
     def prefetch(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """(Not in SpeedTorch 0.1.6.) Start loading the rows of the next batch on a transfer
@@ -179,7 +181,7 @@ class _Switcher(_TableMethods):
         (``speedtorch_ops.colocate``); rows shared with the current batch are taken from its
         updated rows on the device, so training is the same as without prefetch."""
         plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)  # raises without a table
-        self._store.prefetch(plan)
+        self.store.prefetch(plan)
 
 
 class _ModelSwitcher(_Switcher):
@@ -191,19 +193,19 @@ class _ModelSwitcher(_Switcher):
         self.total_classes = total_classes
         self.embed_dimension = embed_dimension
         self.datatype = datatype
-        self._dtype = resolve_dtype(datatype)
-        self._placement = placement
+        self.table_dtype = resolve_dtype(datatype)
+        self.placement = placement
         self._hooked = None
 
     def _store_device(self) -> torch.device:
-        return self._weight().device
+        return self.model_weight().device
 
     def _new_table(self) -> Optional[Tensor]:
         """A new table, or None to re-initialise the store's own in place (colocated factories
         share it)."""
-        if self._store is not None:
+        if self.store is not None:
             return None
-        return allocate((self.total_classes, self.embed_dimension), self._dtype, self._placement)
+        return allocate((self.total_classes, self.embed_dimension), self.table_dtype, self.placement)
 
     def _initialise(self, fill) -> None:
         """``fill(chunk)`` in place (a tuple ``(distribution, a, b)``: random numbers, drawn on
@@ -215,7 +217,7 @@ class _ModelSwitcher(_Switcher):
         table = self._new_table()
         if table is None:
             self._settle(writing=True)
-            (table,) = self._tables()
+            (table,) = self.tables()
         else:
             self._adopt(table)
         with torch.no_grad():
@@ -248,14 +250,15 @@ class _ModelSwitcher(_Switcher):
         return pos, np.arange(start, start + batchSize * negPerBatch).reshape(batchSize,
                                                                                 negPerBatch)
 
-    def _weight(self) -> Tensor:
+    def model_weight(self) -> Tensor:
+        """The weight of the model's embedding, which a batch's rows become."""
         return self.model_variable.weight
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Load the batch's rows (positives, then negatives) into the module's weight."""
-        weight = self._weight()
+        weight = self.model_weight()
         self._plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
-        weight.data = self._store.load(self._plan)[self._parts[0]]
+        weight.data = self.store.load(self._plan)[self._parts[0]]
         if self._hooked is not weight:  # sums duplicate slots' gradients into their owner
             weight.register_hook(self._combine_duplicates)
             self._hooked = weight
@@ -266,7 +269,7 @@ class _ModelSwitcher(_Switcher):
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         """Write the batch's rows back into the table (each row once: its owner slot's value)."""
         plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
-        self._store.write_back(plan, [self._weight().data])
+        self.store.write_back(plan, [self.model_weight().data])
 
 
 class _OptimizerSwitcher(_Switcher):
@@ -283,49 +286,49 @@ class _OptimizerSwitcher(_Switcher):
         self.model = model
         self.variable_name = variable_name
         self.datatype = dtype
-        self._dtype = resolve_dtype(dtype)
-        self._placement = placement
+        self.table_dtype = resolve_dtype(dtype)
+        self.placement = placement
         path = (variable_name[:-len(".weight")] if variable_name.endswith(".weight")
                 else variable_name)
-        self._param = model.get_submodule(path).weight
-        group, self.optimizerKey = optim_state.find_group(given_optimizer, self._param)
+        self.param = model.get_submodule(path).weight
+        group, self.optimizerKey = optim_state.find_group(given_optimizer, self.param)
         if optim_state.row_state_keys(given_optimizer):
             raise ValueError(f"given_optimizer: {type(given_optimizer).__name__} keeps one value "
                              "per row; the factories keep per-element state tables. Use it "
                              "with speedtorch_ops.HostEmbedding")
-        self._fills, scalars = optim_state.state_layout(given_optimizer, group)
-        optim_state.init_state(given_optimizer, self._param, group, self._fills, scalars)
-        self.optVarList = list(self._fills)
+        self.fills, scalars = optim_state.state_layout(given_optimizer, group)
+        optim_state.init_state(given_optimizer, self.param, group, self.fills, scalars)
+        self.optVarList = list(self.fills)
 
     def _store_device(self) -> torch.device:
-        return self._param.device
+        return self.param.device
 
     def _batch_dtype(self) -> Optional[torch.dtype]:
-        return self._param.dtype  # the optimizer's state follows its parameter
+        return self.param.dtype  # the optimizer's state follows its parameter
 
     def _new_tables(self) -> Optional[list]:
         """New tables, or None to re-initialise the store's own in place."""
-        if self._store is not None:
+        if self.store is not None:
             return None
         shape = (self.total_classes, self.embed_dimension)
-        return [allocate(shape, self._dtype, self._placement) for _ in self.optVarList]
+        return [allocate(shape, self.table_dtype, self.placement) for _ in self.optVarList]
 
     def optInit(self) -> None:
         tables = self._new_tables()
         if tables is None:
             self._settle(writing=True)
-            tables = self._tables()
+            tables = self.tables()
         else:
             self._adopt(tables)
         for table, key in zip(tables, self.optVarList):
-            table.fill_(self._fills[key])
+            table.fill_(self.fills[key])
 
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None) -> None:
         if not self.optVarList:  # a stateless optimizer (plain SGD): nothing to move
             return
         plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
-        state = self.given_optimizer.state[self._param]
-        rows = self._store.load(plan, out=[state[key] for key in self.optVarList])
+        state = self.given_optimizer.state[self.param]
+        rows = self.store.load(plan, out=[state[key] for key in self.optVarList])
         for key, part in zip(self.optVarList, self._parts):
             state[key] = rows[part]
 
@@ -333,8 +336,8 @@ class _OptimizerSwitcher(_Switcher):
         if not self.optVarList:
             return
         plan = self._plan_for(retrievedPosIndexes, retrievedNegIndexes)
-        state = self.given_optimizer.state[self._param]
-        self._store.write_back(plan, [state[key] for key in self.optVarList])
+        state = self.given_optimizer.state[self.param]
+        self.store.write_back(plan, [state[key] for key in self.optVarList])
 
 
 class _COMBase(_TableMethods):
@@ -345,11 +348,11 @@ class _COMBase(_TableMethods):
     def __init__(self, total_classes, datatype, placement):
         self.total_classes = total_classes
         self.datatype = datatype
-        self._dtype = resolve_dtype(datatype)
-        self._placement = placement
+        self.table_dtype = resolve_dtype(datatype)
+        self.placement = placement
 
     def _new_table(self) -> Tensor:
-        return allocate((self.total_classes, self.total_classes), self._dtype, self._placement)
+        return allocate((self.total_classes, self.total_classes), self.table_dtype, self.placement)
 
     def comInit(self, CPUPinn=False) -> None:
         """Allocate the zero table. (As in 0.1.6 the argument is ignored: the constructor's
@@ -377,25 +380,26 @@ class _GadgetBase(_TableMethods):
     def getData(self, indexes, retrievedNegIndexes=None) -> Tensor:
         """Rows ``indexes`` (an integer array; with a second array, positives then negatives) as
         a new tensor on the GPU (CPU without one). Slices and ints give a copy of that part."""
-        (table,) = self._tables()
+        (table,) = self.tables()
         if retrievedNegIndexes is not None:
             indexes = reshaped_retrieval(indexes, retrievedNegIndexes)
         if not self._is_row_index(indexes):
-            return table[indexes].to(self._store.device)
-        return self._store.load(self._store.plan_for(indexes))[0]
+            return table[indexes].to(self.store.device)
+        (rows,) = self.store.load(self.store.plan_for(indexes))
+        return rows
 
     def insertData(self, dataObject: Tensor, indexes, retrievedNegIndexes=None) -> None:
         """Write ``dataObject`` into rows ``indexes`` (cast to the table's dtype; for repeated
         rows the last one wins) or into a slice."""
-        (table,) = self._tables()
+        (table,) = self.tables()
         if retrievedNegIndexes is not None:
             indexes = reshaped_retrieval(indexes, retrievedNegIndexes)
         if not self._is_row_index(indexes):
             table[indexes] = dataObject.to(table.device, table.dtype)
             return
-        plan = self._store.plan_for(indexes)
+        plan = self.store.plan_for(indexes)
         rows = torch.as_tensor(dataObject).reshape(len(plan), *table.shape[1:])
-        self._store.write_back(plan, [rows], owners=False)
+        self.store.write_back(plan, [rows], owners=False)
 
     def _source(self) -> Tensor:
         """The gadget's data: the file (memory-mapped, copied in chunks) or the given array."""
@@ -474,7 +478,7 @@ class ModelFactoryMM(_ModelSwitcher):
         """A new file at every init method (as in 0.1.6)."""
         self.fileName = next_free_name(self.diskname, ".memmap.cpy.npy")
         return mmap_npy(self.fileName, (self.total_classes, self.embed_dimension),
-                           self._dtype, self.CPUPinn)
+                           self.table_dtype, self.CPUPinn)
 
 
 class OptimizerFactoryMM(_OptimizerSwitcher):
@@ -496,7 +500,7 @@ class OptimizerFactoryMM(_OptimizerSwitcher):
         stem = next_free_name(self.diskname, ".memmap.cpy.npy")[: -len(".memmap.cpy.npy")]
         self.fileNames = [f"{stem}.memmap{key}.cpy.npy" for key in self.optVarList]
         shape = (self.total_classes, self.embed_dimension)
-        return [mmap_npy(name, shape, self._dtype, self.CPUPinn)
+        return [mmap_npy(name, shape, self.table_dtype, self.CPUPinn)
                 for name in self.fileNames]
 
 
@@ -510,7 +514,7 @@ class COMMM(_COMBase):
 
     def _new_table(self) -> Tensor:
         self.fileName = next_free_name(self.diskname, ".memmap.cpy.npy")
-        return mmap_npy(self.fileName, (self.total_classes, self.total_classes), self._dtype,
+        return mmap_npy(self.fileName, (self.total_classes, self.total_classes), self.table_dtype,
                         self.CPUPinn)
 
 
@@ -532,7 +536,7 @@ class _FixedModelFactory(_ModelSwitcher):
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float):
         super().__init__(model_variable, total_classes, embed_dimension, datatype,
                          self._fixed_placement)
-        self.dtype = self._dtype
+        self.dtype = self.table_dtype
 
 
 class _FixedOptimizerFactory(_OptimizerSwitcher):
@@ -540,7 +544,7 @@ class _FixedOptimizerFactory(_OptimizerSwitcher):
                  dtype=torch.float):
         super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
                          dtype, self._fixed_placement)
-        self.dtype = self._dtype
+        self.dtype = self.table_dtype
 
 
 class _FixedCOM(_COMBase):
@@ -587,7 +591,7 @@ class PytorchModelFactory(_ModelSwitcher):
                  deviceType="cuda", pinType=False):
         super().__init__(model_variable, total_classes, embed_dimension, datatype,
                          _torch_placement(deviceType, pinType))
-        self.dtype, self.deviceType, self.pinType = self._dtype, deviceType, pinType
+        self.dtype, self.deviceType, self.pinType = self.table_dtype, deviceType, pinType
 
 
 class PytorchOptimizerFactory(_OptimizerSwitcher):
@@ -597,7 +601,7 @@ class PytorchOptimizerFactory(_OptimizerSwitcher):
                  dtype=torch.float, deviceType="cuda", pinType=False):
         super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
                          dtype, _torch_placement(deviceType, pinType))
-        self.dtype, self.deviceType, self.pinType = self._dtype, deviceType, pinType
+        self.dtype, self.deviceType, self.pinType = self.table_dtype, deviceType, pinType
 
 
 class PytorchCOM(_COMBase):

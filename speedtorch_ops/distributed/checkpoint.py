@@ -104,7 +104,7 @@ def _json_settings(group: dict) -> dict:
 def save(module, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     places, scalars = split_state(module.shard)
-    payload = {"rows": module._local_table(), "parts": places, "scalars": scalars}
+    payload = {"rows": module.local_table(), "parts": places, "scalars": scalars}
     _save_atomically(payload, shard_file(directory, module.rank, module.world))
     if module.rank == 0:
         meta = {"format": FORMAT, "kind": type(module).__name__,

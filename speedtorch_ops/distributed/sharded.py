@@ -210,7 +210,8 @@ class _ShardedRows(nn.Module):
             ids, finish = self._route_args(*args, **kwargs)
         except Exception as e:  # bad arguments raise on every rank, not here only
             _stage_together([self], [()], e)  # raises e here, an error on the other ranks
-        return finish(_stage_together([self], [ids])[0])
+        (staged,) = _stage_together([self], [ids])
+        return finish(staged)
 
     def _route_args(self, *args, **kwargs) -> tuple:
         """(the id tensors of a forward's arguments, a function of their staged (rows per
@@ -247,7 +248,7 @@ class _ShardedRows(nn.Module):
         self._check_idle("reset_parameters")
         self.shard.reset_parameters(init)
 
-    def _local_table(self) -> Tensor:
+    def local_table(self) -> Tensor:
         """This rank's rows (local_rows, 1, record) uint8: each row's weight and state in one
         record, laid out as ``self.shard.layout`` says."""
         self.shard.flush()
@@ -256,7 +257,7 @@ class _ShardedRows(nn.Module):
     def gather_weight(self) -> Tensor:
         """Collective: the full table (num_embeddings, dim) on every rank, on the host."""
         self._check_idle("gather_weight")
-        local = self.shard.layout.of_table(self._local_table(), "weight")
+        local = self.shard.layout.of_table(self.local_table(), "weight")
         return gather_cyclic(local, self.num_embeddings, self.group, self.comm_device)
 
     def gather_state_dict(self) -> dict:
@@ -264,7 +265,7 @@ class _ShardedRows(nn.Module):
         state, the optimizer's scalars) on every rank; ``HostEmbedding.load_state_dict`` takes
         it. Holds the full table and its state in host memory: for tests and export."""
         self._check_idle("gather_state_dict")
-        full = gather_cyclic(self._local_table(), self.num_embeddings, self.group,
+        full = gather_cyclic(self.local_table(), self.num_embeddings, self.group,
                              self.comm_device)
         places, scalars = checkpoint.split_state(self.shard)
         out = checkpoint.row_views(full, places)

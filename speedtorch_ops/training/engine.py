@@ -3,9 +3,9 @@
 shards) drives through the public calls below:
 
 - the host rows (``table.py:HostTable``): the table and its optimizer state, one record a row;
-- the store (``cache.py:HostRows`` / ``CachedRows``, the GPU row cache): a step's distinct rows
-  staged on the device and committed back;
-- a step's plan (``plan.py:Plan``, ``cache.py:Distinct``): ids checked, sorted once, made
+- the store (``host_rows.py:HostRows`` / ``cache.py:CachedRows``, the GPU row cache): a step's
+  distinct rows staged on the device and committed back;
+- a step's plan (``plan.py:Plan``, ``host_rows.py:Distinct``): ids checked, sorted once, made
   distinct;
 - the update (``update.py:RowUpdate``): the optimizer over the staged rows, fused or torch's;
 - the lookup (``lookup.py``): the staged rows at every position, and the backward's segment sum;
@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cache import CachedRows, Distinct, HostRows, Stat, cache_slots, check_cache_bytes
+from .cache import CachedRows, cache_slots, check_cache_bytes
+from .host_rows import Distinct, HostRows, Stat
 from .lookup import GradTail, guard, lookup
 from .optim_state import RowLayout
 from .plan import Plan, check_bounds_mode

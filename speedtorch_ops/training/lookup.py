@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from .cache import Distinct
+from .host_rows import Distinct
 
 
 class _Guard(torch.autograd.Function):

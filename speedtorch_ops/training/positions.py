@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..memory import is_zero_copy_usable
-from .cache import CachedRows, Distinct, HostRows
+from .cache import CachedRows
+from .host_rows import Distinct, HostRows
 from .plan import Plan
 from .stores import RowStore
 

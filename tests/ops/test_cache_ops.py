@@ -662,7 +662,7 @@ def test_opcheck(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_distinct_ids_of_a_strided_plan(device):
     """Ids given as a column of a batch (a strided view) plan like contiguous ones."""
-    from speedtorch_ops.training.cache import Distinct
+    from speedtorch_ops.training.host_rows import Distinct
     from speedtorch_ops.training.plan import Plan
     dev = device_of(device)
     batch = torch.randint(0, 50, (300, 3), generator=gen(5)).to(dev)

@@ -8,7 +8,8 @@ import torch
 
 import speedtorch_ops as so
 from speedtorch_ops import ops
-from speedtorch_ops.training.cache import CachedRows, HostRows
+from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops.training.host_rows import HostRows
 from conftest import HAS_CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

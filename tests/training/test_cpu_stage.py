@@ -6,7 +6,7 @@ never what a freed tensor left), through stages that grow and shrink."""
 import numpy as np
 import torch
 
-from speedtorch_ops.training.cache import HostRows
+from speedtorch_ops.training.host_rows import HostRows
 from speedtorch_ops.training.plan import Plan
 
 

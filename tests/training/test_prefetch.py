@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import speedtorch_ops as so
-from speedtorch_ops.training.cache import CachedRows, HostRows
+from speedtorch_ops.training.cache import CachedRows
+from speedtorch_ops.training.host_rows import HostRows
 from conftest import HAS_CUDA
 from test_cache import OPTIMIZERS, check_map
 

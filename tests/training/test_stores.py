@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speedtorch_ops.training import ColocatedRows, Plan, SeparateTables
-from speedtorch_ops.training.cache import Stat
+from speedtorch_ops.training.host_rows import Stat
 from conftest import HAS_CUDA
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
