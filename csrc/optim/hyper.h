@@ -32,13 +32,8 @@ inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
                               const c10::optional<at::Tensor>& rounding) {
   check_fused_update_args(buf, grad, count, step, rule, hyper, flags, fields, state_dtype, cache,
                           at, rounding);
-  Checked c{static_cast<Rule>(rule), Hyper{}};
-  c.hyper.lr = hyper[0];
-  c.hyper.weight_decay = hyper[1];
-  c.hyper.a = hyper[2];
-  c.hyper.b = hyper[3];
-  c.hyper.eps = hyper[4];
-  c.hyper.flags = flags;
+  Checked c{static_cast<Rule>(rule),
+            make_hyper(hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], flags)};
   if (step.has_value() && step->device().is_cpu()) derive(c.hyper, c.rule, step->item<double>());
   const auto narrow = [](at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; };
   c.rounds = rounding.has_value() && (narrow(grad.scalar_type()) || narrow(state_dtype));
