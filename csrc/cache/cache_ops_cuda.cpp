@@ -2,7 +2,8 @@
 // planned on the device in a few launches, with nothing read back to the host.
 #include "../transfer/transfer.h"
 #include "cache_kernels.h"
-#include "speedtorch_ops/checks.h"
+#include "cache/cache_checks.h"
+#include "common/checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

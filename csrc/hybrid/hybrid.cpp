@@ -10,7 +10,8 @@
 //   cur waits for dma at the end; the call returns when the host part is done.
 #include "hybrid.h"
 
-#include "speedtorch_ops/checks.h"
+#include "common/checks.h"
+#include "transfer/rows_cpu.h"
 #include "split.h"
 #include "staging.h"
 #include "tuner.h"

@@ -2,7 +2,7 @@
 // launch on the current stream, nothing read back.
 #include "../transfer/transfer.h"
 #include "gather_staged.h"
-#include "speedtorch_ops/checks.h"
+#include "lookup/lookup_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

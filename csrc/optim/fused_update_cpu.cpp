@@ -3,7 +3,7 @@
 #include "hyper.h"
 #include "rounding_aten.h"
 #include "rules.h"
-#include "speedtorch_ops/checks.h"
+#include "common/parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

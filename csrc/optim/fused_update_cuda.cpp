@@ -4,7 +4,6 @@
 #include "../transfer/transfer.h"
 #include "fused_update.h"
 #include "hyper.h"
-#include "speedtorch_ops/checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

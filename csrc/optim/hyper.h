@@ -3,7 +3,7 @@
 #pragma once
 
 #include "rules.h"
-#include "speedtorch_ops/checks.h"
+#include "optim/optim_checks.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>

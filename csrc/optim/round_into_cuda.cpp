@@ -2,7 +2,7 @@
 // launch on the current stream; the seed and counter are read by the kernel.
 #include "../transfer/transfer.h"
 #include "round_into.h"
-#include "speedtorch_ops/checks.h"
+#include "optim/optim_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

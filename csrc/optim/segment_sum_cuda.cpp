@@ -2,7 +2,7 @@
 // launches on the current stream, nothing read back; the gradient pieces are read in place.
 #include "../transfer/transfer.h"
 #include "segment_sum.h"
-#include "speedtorch_ops/checks.h"
+#include "optim/optim_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -2,7 +2,7 @@
 // host memory (the op's CPU form, for tests of the same contract the GPU kernel keeps). The
 // ranks are checked here; the addresses and rows are trusted, as on the GPU.
 #include "../transfer/row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "peer/peer_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,7 +1,12 @@
 // CPU gather: out[i] = table[index[i]] for a CPU table (pinned or not) and a CPU index. Index
-// values are checked on the host in every bounds_check mode (it costs no wait; see checks.h).
+// values are checked on the host in every bounds_check mode (it costs no wait; see
+// common/bounds_check.h).
 #include "row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "common/parallel.h"
+#include "transfer/rows_cpu.h"
+#include "transfer/transfer_checks.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

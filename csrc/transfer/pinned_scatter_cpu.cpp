@@ -1,6 +1,10 @@
 // CPU scatter: table[index[i]] = src[i] (or +=) for a CPU table and index.
 #include "row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "common/parallel.h"
+#include "transfer/rows_cpu.h"
+#include "transfer/transfer_checks.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

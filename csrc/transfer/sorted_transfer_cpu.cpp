@@ -1,7 +1,10 @@
 // CPU kernel of _sorted_transfer: a batch's rows moved by ids the caller sorted (registration.cpp
 // has the contract).
 #include "row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "common/parallel.h"
+#include "transfer/transfer_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

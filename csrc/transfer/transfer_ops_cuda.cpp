@@ -8,7 +8,9 @@
 #include "../hybrid/hybrid.h"
 #include "../hybrid/tuner.h"
 #include "route.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "transfer/transfer_checks.h"
 #include "transfer.h"
 #include "validation.h"
 

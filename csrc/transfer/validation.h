@@ -4,7 +4,7 @@
 #pragma once
 
 #include "kernels.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -1,0 +1,175 @@
+#include "optim/optim_checks.h"
+
+#include "common/checks.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace speedtorch_ops {
+
+void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
+                            const at::Tensor& starts, const at::Tensor& count, int64_t rows) {
+  TORCH_CHECK(!grads.empty(), "grads must hold at least one tensor (the rows' gradients)");
+  const at::Tensor& first = grads[0];
+  const auto dtype = check_step_float(first, "grads");
+  int64_t n = 0;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const at::Tensor& g = grads[k];
+    TORCH_CHECK(g.dim() == 2 && g.is_contiguous(), "grads[", k, "] must be a contiguous "
+                "(positions, dim) tensor, got shape ", g.sizes());
+    TORCH_CHECK(g.size(1) == first.size(1), "grads[", k, "] must have grads[0]'s ",
+                first.size(1), " columns, got ", g.size(1));
+    TORCH_CHECK(g.scalar_type() == dtype, "grads[", k, "] must be ", dtype, " like grads[0], got ",
+                g.scalar_type());
+    const std::string name = "grads[" + std::to_string(k) + "]";
+    check_same_device(g, name.c_str(), first, "grads[0]");
+    n += g.size(0);
+  }
+  check_vectors({{perm, "perm", at::kLong}, {starts, "starts", at::kLong}});
+  check_same_device(perm, "perm", first, "grads[0]");
+  TORCH_CHECK(perm.numel() == n, "perm must have one entry a row of grads (", n, "), got ",
+              perm.numel());
+  TORCH_CHECK(starts.numel() >= 1, "starts must hold at least one entry (segments + 1)");
+  check_one_int64(count, "count", first, "grads[0]");
+  TORCH_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
+  check_items(perm, "perm");
+}
+
+namespace {
+
+// A stochastic rounding's (seed, counter) beside the tensor it rounds into.
+void check_rounding(const at::Tensor& r, const at::Tensor& beside, const char* name) {
+  TORCH_CHECK(r.dim() == 1 && r.numel() == 2 && r.scalar_type() == at::kLong && r.is_contiguous(),
+              "rounding must be a contiguous int64 tensor of 2 values (seed, counter), got ",
+              r.scalar_type(), " of shape ", r.sizes());
+  check_same_device(r, "rounding", beside, name);
+}
+
+}  // namespace
+
+int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                const at::Tensor& count, const c10::optional<at::Tensor>& step,
+                                int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
+                                c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
+                                const c10::optional<at::Tensor>& cache,
+                                const c10::optional<at::Tensor>& at,
+                                const c10::optional<at::Tensor>& rounding) {
+  TORCH_CHECK(rule >= 0 && rule <= 5, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
+              "3 (Adam), 4 (AdamW) or 5 (PartialRowWiseAdam), got ", rule);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.is_contiguous(),
+              "buf must be a contiguous uint8 (rows, record) tensor, got ", buf.scalar_type(),
+              " of shape ", buf.sizes());
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (rows, dim) "
+              "tensor, got shape ", grad.sizes());
+  const auto dtype = check_step_float(grad, "grad");
+  const auto state = state_dtype;
+  const bool wide = dtype == at::kDouble;
+  TORCH_CHECK(wide ? state == at::kDouble
+                   : state == at::kFloat || state == at::kBFloat16 || state == dtype,
+              "state_dtype must be ", wide ? "float64 with float64 weights (grad's dtype)"
+                                           : "float32, bfloat16 or the weights' (grad's) dtype",
+              ", got ", state, " for ", dtype, " weights");
+  check_same_device(grad, "grad", buf, "buf");
+  TORCH_CHECK(grad.size(0) == buf.size(0), "grad must have buf's ", buf.size(0), " rows, got ",
+              grad.size(0));
+  check_one_int64(count, "count", buf, "buf");
+  TORCH_CHECK(hyper.size() == 5, "hyper must hold 5 values (lr, weight_decay, a, b, eps), got ",
+              hyper.size());
+  TORCH_CHECK(flags >= 0 && flags < 16, "flags must be a combination of 1 (maximize), 2 "
+              "(nesterov), 4 (amsgrad) and 8 (first step), got ", flags);
+  // Each rule keeps its own per-element state: SGD a momentum buffer or none, Adagrad its sum,
+  // RowWiseAdagrad none (its accumulator is the row value), Adam two moments (three with
+  // amsgrad), PartialRowWiseAdam its first moment (the second is the row value).
+  TORCH_CHECK(fields.size() >= 2 && fields.size() <= 5, "fields must hold the byte offsets of "
+              "the weight, the row value (-1: none) and up to 3 states, got ", fields.size(),
+              " values");
+  const int64_t states = static_cast<int64_t>(fields.size()) - 2;
+  const bool amsgrad = (flags & 4) != 0, adam = rule == 3 || rule == 4;
+  const bool rowwise = rule == 2 || rule == 5;
+  const int64_t needed = rule == 0 ? states : rule == 1 || rule == 5 ? 1
+                                   : rule == 2 ? 0 : (amsgrad ? 3 : 2);
+  TORCH_CHECK(states == needed && (rule != 0 || states <= 1), "fields must name the rule's ",
+              rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
+              : rule == 2 ? "no per-element state (the accumulator is the row value)"
+              : rule == 5 ? "exp_avg (exp_avg_sq is the row value)"
+              : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
+              " after the weight and the row value, got ", states, " states");
+  TORCH_CHECK(rowwise == (fields[1] >= 0), "fields[1] (the row value's offset) must be ",
+              rowwise ? "an offset: the rule keeps one value a row" : "-1: the rule keeps none");
+  TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (4) is Adam's and AdamW's only");
+  TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && states == 1), "flags: nesterov (2) "
+              "and first step (8) need SGD with a momentum buffer");
+  // Every field inside the record, aligned to its element size in every row (the record a
+  // multiple of it), and no two overlapping.
+  const int64_t record = buf.size(1), dim = grad.size(1);
+  const int64_t w_item = grad.element_size(), s_item = c10::elementSize(state);
+  const int64_t r_item = wide ? 8 : 4;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (size_t k = 0; k < fields.size(); ++k) {
+    if (k == 1 && !rowwise) continue;
+    const int64_t item = k == 0 ? w_item : k == 1 ? r_item : s_item;
+    const int64_t bytes = k == 1 ? item : dim * item;
+    TORCH_CHECK(fields[k] >= 0 && fields[k] % item == 0 && record % item == 0 &&
+                    fields[k] + bytes <= record,
+                "fields[", k, "] = ", fields[k], " must be a multiple of ", item, " with its ",
+                bytes, " bytes inside buf's record of ", record, " bytes (a multiple of ", item,
+                ")");
+    for (const auto& [lo, hi] : spans) {
+      TORCH_CHECK(fields[k] + bytes <= lo || fields[k] >= hi, "fields[", k, "] overlaps another "
+                  "field: [", fields[k], ", ", fields[k] + bytes, ") and [", lo, ", ", hi, ")");
+    }
+    spans.emplace_back(fields[k], fields[k] + bytes);
+  }
+  const int64_t widest = std::max({w_item, s_item, rowwise ? r_item : 1});
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(buf.const_data_ptr()) % widest == 0, "buf's data must "
+              "be ", widest, "-byte aligned (its fields' widest element)");
+  const bool counts_steps = rule == 1 || rule == 3 || rule == 4 || rule == 5;
+  TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
+              " (the step count after this step's increment)");
+  if (step.has_value()) {
+    const auto& s = *step;
+    TORCH_CHECK(s.numel() == 1 && (s.scalar_type() == at::kFloat ||
+                                   s.scalar_type() == at::kDouble),
+                "step must be one float32 or float64, got ", s.scalar_type(), " of shape ",
+                s.sizes());
+    TORCH_CHECK(s.device().is_cpu() || s.device() == buf.device(), "step must be on the CPU or "
+                "buf's device ", buf.device(), ", got ", s.device());
+  }
+  check_no_overlap(buf, "buf", grad, "grad");
+  TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together (a slot per staged "
+              "row of the cache), got ", cache.has_value() ? "cache only" : "at only");
+  if (cache.has_value()) {
+    const auto& c = *cache;
+    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kByte && c.is_contiguous() &&
+                    c.size(1) == record,
+                "cache must be a contiguous uint8 (slots, record) tensor with buf's record of ",
+                record, " bytes, got ", c.scalar_type(), " of shape ", c.sizes());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(c.const_data_ptr()) % widest == 0, "cache's data "
+                "must be ", widest, "-byte aligned (its fields' widest element)");
+    check_same_device(c, "cache", buf, "buf");
+    check_vector(*at, "at", at::kLong);
+    check_same_device(*at, "at", buf, "buf");
+    check_no_overlap(c, "cache", buf, "buf");
+    check_no_overlap(c, "cache", grad, "grad");
+  }
+  if (rounding.has_value()) check_rounding(*rounding, buf, "buf");
+  return rule;
+}
+
+void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
+                           const at::Tensor& rounding) {
+  check_step_float(dst, "dst");
+  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
+  TORCH_CHECK(src.scalar_type() == at::kFloat && src.is_contiguous(),
+              "src must be a contiguous float32 tensor, got ", src.scalar_type());
+  TORCH_CHECK(src.sizes() == dst.sizes(), "src must have dst's shape ", dst.sizes(), ", got ",
+              src.sizes());
+  check_same_device(src, "src", dst, "dst");
+  check_no_overlap(dst, "dst", src, "src");
+  check_rounding(rounding, dst, "dst");
+}
+
+
+}  // namespace speedtorch_ops
