@@ -6,9 +6,9 @@
 #include "common/parallel.h"
 
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
-#include "transfer/deferred.h"
+#include "copy/deferred.h"
+#include "copy/launch.h"
 #include "hybrid/tuner.h"
-#include "transfer/launch.h"
 #endif
 
 TORCH_LIBRARY(speedtorch_ops, m) {

@@ -1,9 +1,9 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
 // the staged records are independent, so they split over the threads.
-#include "hyper.h"
-#include "rounding_aten.h"
-#include "rules.h"
 #include "common/parallel.h"
+#include "optim/hyper.h"
+#include "optim/rounding_aten.h"
+#include "optim/rules.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

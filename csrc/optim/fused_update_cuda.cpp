@@ -1,9 +1,9 @@
 // _fused_row_update on a GPU (registration.cpp has the contract; fused_update.cu the kernel):
 // one launch on the current stream; the step count is read by the kernel when it lives on the
 // device (a captured step's replays count on), on the host when it lives there.
-#include "../transfer/transfer.h"
-#include "fused_update.h"
-#include "hyper.h"
+#include "common/elem_of.h"
+#include "optim/fused_update.h"
+#include "optim/hyper.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -2,8 +2,8 @@
 // implementations of _fused_row_update).
 #pragma once
 
-#include "rules.h"
 #include "optim/optim_checks.h"
+#include "optim/rules.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>

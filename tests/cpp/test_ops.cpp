@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "transfer/rows_cpu.h"
+#include "copy/rows_cpu.h"
 #include "transfer/transfer_checks.h"
 
 namespace {
