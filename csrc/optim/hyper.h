@@ -30,9 +30,8 @@ inline Checked checked_update(const at::Tensor& buf, const at::Tensor& grad,
                               const c10::optional<at::Tensor>& cache,
                               const c10::optional<at::Tensor>& at,
                               const c10::optional<at::Tensor>& rounding) {
-  check_fused_update_args(buf, grad, count, step, rule, hyper, flags, fields, state_dtype, cache,
-                          at, rounding);
-  Checked c{static_cast<Rule>(rule),
+  Checked c{check_fused_update_args(buf, grad, count, step, rule, hyper, flags, fields,
+                                    state_dtype, cache, at, rounding),
             make_hyper(hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], flags)};
   if (step.has_value() && step->device().is_cpu()) derive(c.hyper, c.rule, step->item<double>());
   const auto narrow = [](at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; };

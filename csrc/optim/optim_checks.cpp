@@ -39,6 +39,8 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
 
 namespace {
 
+using optim::Rule;
+
 // A stochastic rounding's (seed, counter) beside the tensor it rounds into.
 void check_rounding(const at::Tensor& r, const at::Tensor& beside, const char* name) {
   TORCH_CHECK(r.dim() == 1 && r.numel() == 2 && r.scalar_type() == at::kLong && r.is_contiguous(),
@@ -47,17 +49,125 @@ void check_rounding(const at::Tensor& r, const at::Tensor& beside, const char* n
   check_same_device(r, "rounding", beside, name);
 }
 
+// The op's `rule` as a Rule; raises for any other value, listing the rules.
+Rule check_rule(int64_t rule) {
+  const auto first = static_cast<int64_t>(optim::kFirstRule);
+  const auto last = static_cast<int64_t>(optim::kLastRule);
+  std::string rules;
+  for (int64_t r = first; r <= last; ++r) {
+    rules += (r == first ? "" : r == last ? " or " : ", ") + std::to_string(r) + " (" +
+             optim::rule_name(static_cast<Rule>(r)) + ")";
+  }
+  TORCH_CHECK(rule >= first && rule <= last, "rule must be ", rules, ", got ", rule);
+  return static_cast<Rule>(rule);
+}
+
+// fields: the weight's offset, the row value's (an offset for the rules that keep one, else
+// -1), then the rule's per-element states (SGD: a momentum buffer or none; Adagrad its sum;
+// RowWiseAdagrad none, its accumulator being the row value; Adam and AdamW two moments, three
+// with amsgrad; PartialRowWiseAdam its first moment, the second being the row value); and the
+// flags the rule takes.
+void check_rule_fields(Rule rule, int64_t flags, c10::ArrayRef<int64_t> fields) {
+  TORCH_CHECK(fields.size() >= 2 && fields.size() <= 5, "fields must hold the byte offsets of "
+              "the weight, the row value (-1: none) and up to 3 states, got ", fields.size(),
+              " values");
+  const int64_t states = static_cast<int64_t>(fields.size()) - 2;
+  const bool amsgrad = (flags & optim::kAmsgrad) != 0;
+  const bool adam = rule == Rule::kAdam || rule == Rule::kAdamW;
+  const bool sgd = rule == Rule::kSgd;
+  const int64_t needed = sgd ? std::min<int64_t>(states, 1)
+                         : rule == Rule::kRowWiseAdagrad ? 0
+                         : adam ? (amsgrad ? 3 : 2) : 1;
+  TORCH_CHECK(states == needed, "fields must name the rule's ",
+              sgd ? "momentum buffer (or nothing)"
+              : rule == Rule::kAdagrad ? "sum"
+              : rule == Rule::kRowWiseAdagrad
+                  ? "no per-element state (the accumulator is the row value)"
+              : rule == Rule::kPartialRowWiseAdam ? "exp_avg (exp_avg_sq is the row value)"
+              : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
+              " after the weight and the row value, got ", states, " states");
+  const bool rowwise = optim::has_row_value(rule);
+  TORCH_CHECK(rowwise == (fields[1] >= 0), "fields[1] (the row value's offset) must be ",
+              rowwise ? "an offset: the rule keeps one value a row" : "-1: the rule keeps none");
+  TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (", optim::kAmsgrad, ") is Adam's and AdamW's "
+              "only");
+  TORCH_CHECK((flags & (optim::kNesterov | optim::kFirstStep)) == 0 || (sgd && states == 1),
+              "flags: nesterov (", optim::kNesterov, ") and first step (", optim::kFirstStep,
+              ") need SGD with a momentum buffer");
+}
+
+// Every field inside the record, aligned to its element size in every row (the record a
+// multiple of it), and no two overlapping. Returns the widest element: the alignment buf's
+// (and a cache's) data needs.
+int64_t check_field_spans(c10::ArrayRef<int64_t> fields, bool rowwise, int64_t record,
+                          int64_t dim, int64_t w_item, int64_t s_item, int64_t r_item) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (size_t k = 0; k < fields.size(); ++k) {
+    if (k == 1 && !rowwise) continue;
+    const int64_t item = k == 0 ? w_item : k == 1 ? r_item : s_item;
+    const int64_t bytes = k == 1 ? item : dim * item;
+    TORCH_CHECK(fields[k] >= 0 && fields[k] % item == 0 && record % item == 0 &&
+                    fields[k] + bytes <= record,
+                "fields[", k, "] = ", fields[k], " must be a multiple of ", item, " with its ",
+                bytes, " bytes inside buf's record of ", record, " bytes (a multiple of ", item,
+                ")");
+    for (const auto& [lo, hi] : spans) {
+      TORCH_CHECK(fields[k] + bytes <= lo || fields[k] >= hi, "fields[", k, "] overlaps another "
+                  "field: [", fields[k], ", ", fields[k] + bytes, ") and [", lo, ", ", hi, ")");
+    }
+    spans.emplace_back(fields[k], fields[k] + bytes);
+  }
+  return std::max({w_item, s_item, rowwise ? r_item : 1});
+}
+
+// The step count: required by the rules that count steps; one float32 or float64 on the CPU
+// or buf's device.
+void check_step(const c10::optional<at::Tensor>& step, Rule rule, const at::Tensor& buf) {
+  TORCH_CHECK(!optim::counts_steps(rule) || step.has_value(), "step is required by rule ",
+              static_cast<int64_t>(rule), " (the step count after this step's increment)");
+  if (!step.has_value()) return;
+  const auto& s = *step;
+  TORCH_CHECK(s.numel() == 1 && (s.scalar_type() == at::kFloat || s.scalar_type() == at::kDouble),
+              "step must be one float32 or float64, got ", s.scalar_type(), " of shape ",
+              s.sizes());
+  TORCH_CHECK(s.device().is_cpu() || s.device() == buf.device(), "step must be on the CPU or "
+              "buf's device ", buf.device(), ", got ", s.device());
+}
+
+// cache and at together or neither: cache records like buf's, aligned to `widest`, on buf's
+// device, overlapping neither buf nor grad; at 1-D int64 there.
+void check_update_cache(const c10::optional<at::Tensor>& cache,
+                        const c10::optional<at::Tensor>& at, const at::Tensor& buf,
+                        const at::Tensor& grad, int64_t widest) {
+  TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together (a slot per staged "
+              "row of the cache), got ", cache.has_value() ? "cache only" : "at only");
+  if (!cache.has_value()) return;
+  const auto& c = *cache;
+  const int64_t record = buf.size(1);
+  TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kByte && c.is_contiguous() &&
+                  c.size(1) == record,
+              "cache must be a contiguous uint8 (slots, record) tensor with buf's record of ",
+              record, " bytes, got ", c.scalar_type(), " of shape ", c.sizes());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(c.const_data_ptr()) % widest == 0, "cache's data "
+              "must be ", widest, "-byte aligned (its fields' widest element)");
+  check_same_device(c, "cache", buf, "buf");
+  check_vector(*at, "at", at::kLong);
+  check_same_device(*at, "at", buf, "buf");
+  check_no_overlap(c, "cache", buf, "buf");
+  check_no_overlap(c, "cache", grad, "grad");
+}
+
 }  // namespace
 
-int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
-                                const at::Tensor& count, const c10::optional<at::Tensor>& step,
-                                int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
-                                const c10::optional<at::Tensor>& cache,
-                                const c10::optional<at::Tensor>& at,
-                                const c10::optional<at::Tensor>& rounding) {
-  TORCH_CHECK(rule >= 0 && rule <= 5, "rule must be 0 (SGD), 1 (Adagrad), 2 (RowWiseAdagrad), "
-              "3 (Adam), 4 (AdamW) or 5 (PartialRowWiseAdam), got ", rule);
+optim::Rule check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                    const at::Tensor& count,
+                                    const c10::optional<at::Tensor>& step, int64_t rule_arg,
+                                    c10::ArrayRef<double> hyper, int64_t flags,
+                                    c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
+                                    const c10::optional<at::Tensor>& cache,
+                                    const c10::optional<at::Tensor>& at,
+                                    const c10::optional<at::Tensor>& rounding) {
+  const Rule rule = check_rule(rule_arg);
   TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.is_contiguous(),
               "buf must be a contiguous uint8 (rows, record) tensor, got ", buf.scalar_type(),
               " of shape ", buf.sizes());
@@ -77,83 +187,18 @@ int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
   check_one_int64(count, "count", buf, "buf");
   TORCH_CHECK(hyper.size() == 5, "hyper must hold 5 values (lr, weight_decay, a, b, eps), got ",
               hyper.size());
-  TORCH_CHECK(flags >= 0 && flags < 16, "flags must be a combination of 1 (maximize), 2 "
-              "(nesterov), 4 (amsgrad) and 8 (first step), got ", flags);
-  // Each rule keeps its own per-element state: SGD a momentum buffer or none, Adagrad its sum,
-  // RowWiseAdagrad none (its accumulator is the row value), Adam two moments (three with
-  // amsgrad), PartialRowWiseAdam its first moment (the second is the row value).
-  TORCH_CHECK(fields.size() >= 2 && fields.size() <= 5, "fields must hold the byte offsets of "
-              "the weight, the row value (-1: none) and up to 3 states, got ", fields.size(),
-              " values");
-  const int64_t states = static_cast<int64_t>(fields.size()) - 2;
-  const bool amsgrad = (flags & 4) != 0, adam = rule == 3 || rule == 4;
-  const bool rowwise = rule == 2 || rule == 5;
-  const int64_t needed = rule == 0 ? states : rule == 1 || rule == 5 ? 1
-                                   : rule == 2 ? 0 : (amsgrad ? 3 : 2);
-  TORCH_CHECK(states == needed && (rule != 0 || states <= 1), "fields must name the rule's ",
-              rule == 0 ? "momentum buffer (or nothing)" : rule == 1 ? "sum"
-              : rule == 2 ? "no per-element state (the accumulator is the row value)"
-              : rule == 5 ? "exp_avg (exp_avg_sq is the row value)"
-              : amsgrad ? "exp_avg, exp_avg_sq and max_exp_avg_sq" : "exp_avg and exp_avg_sq",
-              " after the weight and the row value, got ", states, " states");
-  TORCH_CHECK(rowwise == (fields[1] >= 0), "fields[1] (the row value's offset) must be ",
-              rowwise ? "an offset: the rule keeps one value a row" : "-1: the rule keeps none");
-  TORCH_CHECK(!amsgrad || adam, "flags: amsgrad (4) is Adam's and AdamW's only");
-  TORCH_CHECK((flags & (2 | 8)) == 0 || (rule == 0 && states == 1), "flags: nesterov (2) "
-              "and first step (8) need SGD with a momentum buffer");
-  // Every field inside the record, aligned to its element size in every row (the record a
-  // multiple of it), and no two overlapping.
-  const int64_t record = buf.size(1), dim = grad.size(1);
-  const int64_t w_item = grad.element_size(), s_item = c10::elementSize(state);
-  const int64_t r_item = wide ? 8 : 4;
-  std::vector<std::pair<int64_t, int64_t>> spans;
-  for (size_t k = 0; k < fields.size(); ++k) {
-    if (k == 1 && !rowwise) continue;
-    const int64_t item = k == 0 ? w_item : k == 1 ? r_item : s_item;
-    const int64_t bytes = k == 1 ? item : dim * item;
-    TORCH_CHECK(fields[k] >= 0 && fields[k] % item == 0 && record % item == 0 &&
-                    fields[k] + bytes <= record,
-                "fields[", k, "] = ", fields[k], " must be a multiple of ", item, " with its ",
-                bytes, " bytes inside buf's record of ", record, " bytes (a multiple of ", item,
-                ")");
-    for (const auto& [lo, hi] : spans) {
-      TORCH_CHECK(fields[k] + bytes <= lo || fields[k] >= hi, "fields[", k, "] overlaps another "
-                  "field: [", fields[k], ", ", fields[k] + bytes, ") and [", lo, ", ", hi, ")");
-    }
-    spans.emplace_back(fields[k], fields[k] + bytes);
-  }
-  const int64_t widest = std::max({w_item, s_item, rowwise ? r_item : 1});
+  TORCH_CHECK((flags & ~optim::kAllFlags) == 0, "flags must be a combination of ",
+              optim::kMaximize, " (maximize), ", optim::kNesterov, " (nesterov), ",
+              optim::kAmsgrad, " (amsgrad) and ", optim::kFirstStep, " (first step), got ", flags);
+  check_rule_fields(rule, flags, fields);
+  const int64_t widest =
+      check_field_spans(fields, optim::has_row_value(rule), buf.size(1), grad.size(1),
+                        grad.element_size(), c10::elementSize(state), wide ? 8 : 4);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(buf.const_data_ptr()) % widest == 0, "buf's data must "
               "be ", widest, "-byte aligned (its fields' widest element)");
-  const bool counts_steps = rule == 1 || rule == 3 || rule == 4 || rule == 5;
-  TORCH_CHECK(!counts_steps || step.has_value(), "step is required by rule ", rule,
-              " (the step count after this step's increment)");
-  if (step.has_value()) {
-    const auto& s = *step;
-    TORCH_CHECK(s.numel() == 1 && (s.scalar_type() == at::kFloat ||
-                                   s.scalar_type() == at::kDouble),
-                "step must be one float32 or float64, got ", s.scalar_type(), " of shape ",
-                s.sizes());
-    TORCH_CHECK(s.device().is_cpu() || s.device() == buf.device(), "step must be on the CPU or "
-                "buf's device ", buf.device(), ", got ", s.device());
-  }
+  check_step(step, rule, buf);
   check_no_overlap(buf, "buf", grad, "grad");
-  TORCH_CHECK(cache.has_value() == at.has_value(), "cache and at go together (a slot per staged "
-              "row of the cache), got ", cache.has_value() ? "cache only" : "at only");
-  if (cache.has_value()) {
-    const auto& c = *cache;
-    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kByte && c.is_contiguous() &&
-                    c.size(1) == record,
-                "cache must be a contiguous uint8 (slots, record) tensor with buf's record of ",
-                record, " bytes, got ", c.scalar_type(), " of shape ", c.sizes());
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(c.const_data_ptr()) % widest == 0, "cache's data "
-                "must be ", widest, "-byte aligned (its fields' widest element)");
-    check_same_device(c, "cache", buf, "buf");
-    check_vector(*at, "at", at::kLong);
-    check_same_device(*at, "at", buf, "buf");
-    check_no_overlap(c, "cache", buf, "buf");
-    check_no_overlap(c, "cache", grad, "grad");
-  }
+  check_update_cache(cache, at, buf, grad, widest);
   if (rounding.has_value()) check_rounding(*rounding, buf, "buf");
   return rule;
 }

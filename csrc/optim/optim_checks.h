@@ -1,6 +1,8 @@
 // The optimizer ops' argument checks, shared by their CPU and CUDA kernels.
 #pragma once
 
+#include "optim/rules.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
@@ -23,18 +25,19 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
 // (float32, float64 with float64 state; -1 for the rules without one) and the rule's
 // per-element states (dim of state_dtype each), each aligned to its element size, inside the
 // record (a multiple of each element size) and not overlapping; count one int64 on buf's
-// device; rule a Rule; hyper 5 values; flags the Flag bits; step a float32/float64 scalar on
+// device; rule a Rule; hyper 5 values; flags the Flag bits (both rules.h); step a float32/float64 scalar on
 // the CPU or buf's device, required by the rules that count steps (Adagrad, Adam, AdamW,
 // PartialRowWiseAdam); cache and at together or neither: cache (slots, record) uint8,
 // contiguous, aligned as buf, on buf's device, at 1-D int64 there, neither overlapping buf;
 // rounding 2 contiguous int64 on buf's device. Returns the rule.
-int64_t check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
-                                const at::Tensor& count, const c10::optional<at::Tensor>& step,
-                                int64_t rule, c10::ArrayRef<double> hyper, int64_t flags,
-                                c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
-                                const c10::optional<at::Tensor>& cache = c10::nullopt,
-                                const c10::optional<at::Tensor>& at = c10::nullopt,
-                                const c10::optional<at::Tensor>& rounding = c10::nullopt);
+optim::Rule check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                    const at::Tensor& count,
+                                    const c10::optional<at::Tensor>& step, int64_t rule,
+                                    c10::ArrayRef<double> hyper, int64_t flags,
+                                    c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
+                                    const c10::optional<at::Tensor>& cache = c10::nullopt,
+                                    const c10::optional<at::Tensor>& at = c10::nullopt,
+                                    const c10::optional<at::Tensor>& rounding = c10::nullopt);
 
 // _round_into: dst floating (float32, float64, float16, bfloat16) and contiguous, src float32,
 // contiguous, dst's shape and device, not overlapping dst; rounding 2 contiguous int64 on

@@ -17,7 +17,8 @@
 
 namespace speedtorch_ops::optim {
 
-// The optimizers with a fused update; the values are the op's `rule` argument.
+// The optimizers with a fused update; the values are the op's `rule` argument (the Python
+// side's numbers: speedtorch_ops/training/fused.py).
 enum class Rule : int64_t {
   kSgd = 0,             // torch.optim.SGD (momentum, dampening, nesterov, weight_decay)
   kAdagrad = 1,         // torch.optim.Adagrad (lr_decay, weight_decay, eps)
@@ -27,19 +28,43 @@ enum class Rule : int64_t {
   kPartialRowWiseAdam = 5,  // speedtorch_ops.PartialRowWiseAdam
 };
 
+// The rules' names (the optimizers they follow), for messages.
+inline const char* rule_name(Rule rule) {
+  switch (rule) {
+    case Rule::kSgd: return "SGD";
+    case Rule::kAdagrad: return "Adagrad";
+    case Rule::kRowWiseAdagrad: return "RowWiseAdagrad";
+    case Rule::kAdam: return "Adam";
+    case Rule::kAdamW: return "AdamW";
+    case Rule::kPartialRowWiseAdam: return "PartialRowWiseAdam";
+  }
+  return "?";
+}
+
+// The values of `rule` the op takes: kFirstRule to kLastRule.
+constexpr Rule kFirstRule = Rule::kSgd;
+constexpr Rule kLastRule = Rule::kPartialRowWiseAdam;
+
+// The rules that count steps (the op's `step`, from which derive takes their constants).
+SPEEDTORCH_HD bool counts_steps(Rule rule) {
+  return rule == Rule::kAdagrad || rule == Rule::kAdam || rule == Rule::kAdamW ||
+         rule == Rule::kPartialRowWiseAdam;
+}
+
 // The rules that keep one value per row (the record's row value) from the row's mean squared
 // gradient: RowWiseAdagrad's accumulator, PartialRowWiseAdam's second moment.
 SPEEDTORCH_HD bool has_row_value(Rule rule) {
   return rule == Rule::kRowWiseAdagrad || rule == Rule::kPartialRowWiseAdam;
 }
 
-// The op's `flags` bits.
+// The op's `flags` bits (fused.py's too).
 enum Flag : int64_t {
   kMaximize = 1,
   kNesterov = 2,
   kAmsgrad = 4,
   kFirstStep = 8,  // SGD with momentum: the buffer takes the gradient itself (torch's first step)
 };
+constexpr int64_t kAllFlags = kMaximize | kNesterov | kAmsgrad | kFirstStep;
 
 // One step's constants. `a` and `b` are momentum and dampening (SGD), lr_decay (Adagrad), or
 // beta1 and beta2 (Adam). The rest are derived from the step count once per step.
