@@ -157,16 +157,13 @@ void check_update_cache(const c10::optional<at::Tensor>& cache,
   check_no_overlap(c, "cache", grad, "grad");
 }
 
-}  // namespace
-
-optim::Rule check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
-                                    const at::Tensor& count,
-                                    const c10::optional<at::Tensor>& step, int64_t rule_arg,
-                                    c10::ArrayRef<double> hyper, int64_t flags,
-                                    c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
-                                    const c10::optional<at::Tensor>& cache,
-                                    const c10::optional<at::Tensor>& at,
-                                    const c10::optional<at::Tensor>& rounding) {
+// The checks of check_fused_update_args (below), in order.
+Rule check_update_args(const at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
+                       const c10::optional<at::Tensor>& step, int64_t rule_arg,
+                       c10::ArrayRef<double> hyper, int64_t flags, c10::ArrayRef<int64_t> fields,
+                       at::ScalarType state_dtype, const c10::optional<at::Tensor>& cache,
+                       const c10::optional<at::Tensor>& at,
+                       const c10::optional<at::Tensor>& rounding) {
   const Rule rule = check_rule(rule_arg);
   TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.is_contiguous(),
               "buf must be a contiguous uint8 (rows, record) tensor, got ", buf.scalar_type(),
@@ -203,6 +200,33 @@ optim::Rule check_fused_update_args(const at::Tensor& buf, const at::Tensor& gra
   return rule;
 }
 
+}  // namespace
+
+FusedUpdateArgs check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                        const at::Tensor& count,
+                                        const c10::optional<at::Tensor>& step, int64_t rule,
+                                        c10::ArrayRef<double> hyper, int64_t flags,
+                                        c10::ArrayRef<int64_t> fields,
+                                        at::ScalarType state_dtype,
+                                        const c10::optional<at::Tensor>& cache,
+                                        const c10::optional<at::Tensor>& at,
+                                        const c10::optional<at::Tensor>& rounding) {
+  FusedUpdateArgs c{check_update_args(buf, grad, count, step, rule, hyper, flags, fields,
+                                      state_dtype, cache, at, rounding),
+                    optim::make_hyper(hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], flags)};
+  if (step.has_value() && step->device().is_cpu()) {
+    optim::derive(c.hyper, c.rule, step->item<double>());
+  }
+  const auto narrow = [](at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; };
+  c.rounds = rounding.has_value() && (narrow(grad.scalar_type()) || narrow(state_dtype));
+  if (c.rounds && rounding->device().is_cpu()) {
+    const int64_t* r = rounding->const_data_ptr<int64_t>();
+    c.seed = static_cast<uint64_t>(r[0]);
+    c.counter = static_cast<uint64_t>(r[1]);
+  }
+  return c;
+}
+
 void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
                            const at::Tensor& rounding) {
   check_step_float(dst, "dst");
@@ -215,6 +239,5 @@ void check_round_into_args(const at::Tensor& dst, const at::Tensor& src,
   check_no_overlap(dst, "dst", src, "src");
   check_rounding(rounding, dst, "dst");
 }
-
 
 }  // namespace speedtorch_ops

@@ -29,15 +29,27 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
 // the CPU or buf's device, required by the rules that count steps (Adagrad, Adam, AdamW,
 // PartialRowWiseAdam); cache and at together or neither: cache (slots, record) uint8,
 // contiguous, aligned as buf, on buf's device, at 1-D int64 there, neither overlapping buf;
-// rounding 2 contiguous int64 on buf's device. Returns the rule.
-optim::Rule check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
-                                    const at::Tensor& count,
-                                    const c10::optional<at::Tensor>& step, int64_t rule,
-                                    c10::ArrayRef<double> hyper, int64_t flags,
-                                    c10::ArrayRef<int64_t> fields, at::ScalarType state_dtype,
-                                    const c10::optional<at::Tensor>& cache = c10::nullopt,
-                                    const c10::optional<at::Tensor>& at = c10::nullopt,
-                                    const c10::optional<at::Tensor>& rounding = c10::nullopt);
+// rounding 2 contiguous int64 on buf's device.
+// The arguments as the rules see them, after every check (a refused call changes nothing):
+// the rule, its constants from hyper = (lr, weight_decay, a, b, eps) and flags, and the
+// stochastic rounding. A step count on the host is read here and the step's constants derived;
+// one on a GPU is left to the kernel (a captured step's replays count on).
+struct FusedUpdateArgs {
+  optim::Rule rule;
+  optim::Hyper hyper;
+  bool rounds = false;  // 16-bit stores round stochastically (a rounding tensor was given)
+  uint64_t seed = 0;    // read here when the rounding tensor lives on the host (a CPU step)
+  uint64_t counter = 0;
+};
+FusedUpdateArgs check_fused_update_args(const at::Tensor& buf, const at::Tensor& grad,
+                                        const at::Tensor& count,
+                                        const c10::optional<at::Tensor>& step, int64_t rule,
+                                        c10::ArrayRef<double> hyper, int64_t flags,
+                                        c10::ArrayRef<int64_t> fields,
+                                        at::ScalarType state_dtype,
+                                        const c10::optional<at::Tensor>& cache,
+                                        const c10::optional<at::Tensor>& at,
+                                        const c10::optional<at::Tensor>& rounding);
 
 // _round_into: dst floating (float32, float64, float16, bfloat16) and contiguous, src float32,
 // contiguous, dst's shape and device, not overlapping dst; rounding 2 contiguous int64 on
