@@ -45,7 +45,7 @@ def extension():
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-g0"]
     # Torch passes no-half-operator flags to nvcc; the kernels convert explicitly.
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
-    include = [os.path.join(HERE, "csrc", "include")]
+    include = [os.path.join(HERE, "csrc")]  # includes name their folder: "common/checks.h"
     if not with_cuda():
         return cpp_extension.CppExtension(
             "speedtorch_ops._C", cpp, include_dirs=include,

@@ -3,19 +3,19 @@
 // autograd in ops.py.
 #include <torch/library.h>
 
-#include "speedtorch_ops/checks.h"
+#include "common/parallel.h"
 
 #ifdef SPEEDTORCH_OPS_WITH_CUDA
-#include "transfer/deferred.h"
+#include "copy/deferred.h"
+#include "copy/launch.h"
 #include "hybrid/tuner.h"
-#include "transfer/launch.h"
 #endif
 
 TORCH_LIBRARY(speedtorch_ops, m) {
   // The transfer ops pass opcheck (schema, fake, autograd registration, AOT dispatch) and are
   // CUDA-graph capturable (tests/ops/test_compile.py), so they carry the PT2-compliant tag.
-  // Their keyword bounds_check is 'deferred', 'raise' or 'prechecked' (checks.h says what each
-  // does).
+  // Their keyword bounds_check is 'deferred', 'raise' or 'prechecked' (common/bounds_check.h
+  // says what each does).
   const std::vector<at::Tag> pt2{at::Tag::pt2_compliant_tag};
   // out[i] = table[index[i]]; out lives on index's device (zero-copy read of a pinned host
   // table for a CUDA index).

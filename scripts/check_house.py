@@ -151,7 +151,10 @@ def _csrc_cycles() -> list:
             with open(path, errors="replace") as f:
                 text = f.read()
             for inc in _INCLUDE.findall(text):
-                target = os.path.normpath(os.path.join(base, inc))
+                # Named from csrc/ (csrc/README.md), or else from the including file's folder.
+                target = os.path.normpath(os.path.join(csrc, inc))
+                if not os.path.exists(target):
+                    target = os.path.normpath(os.path.join(base, inc))
                 if not os.path.exists(target):
                     continue
                 other = os.path.relpath(target, csrc).split(os.sep)[0]

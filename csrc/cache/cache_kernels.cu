@@ -1,7 +1,7 @@
 // Kernels that plan a row cache's step on the device (cache_kernels.h). Free of torch headers.
-#include "cache_kernels.h"
+#include "cache/cache_kernels.h"
 
-#include "../transfer/elementwise.cuh"
+#include "common/elementwise.cuh"
 
 #include <cub/cub.cuh>
 #include <math_constants.h>

@@ -1,5 +1,5 @@
 // Launchers of the kernels that plan a row cache's step on the device (cache_ops_cuda.cpp has
-// the contracts). Plain C++ types only, like kernels.h. Launchers that need scratch take `temp`:
+// the contracts). Plain C++ types only, like copy/kernels.h. Launchers that need scratch take `temp`:
 // with temp == nullptr they only set *temp_bytes.
 #pragma once
 

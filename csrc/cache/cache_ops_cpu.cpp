@@ -1,7 +1,9 @@
 // CPU kernels of the row cache's device ops (registration.cpp has their contracts). Each is one pass in
 // order over a step's ids (a scan: the positions depend on everything before them), but the
 // row moves, whose rows are independent.
-#include "speedtorch_ops/checks.h"
+#include "cache/cache_checks.h"
+#include "common/checks.h"
+#include "common/parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

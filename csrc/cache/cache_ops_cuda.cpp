@@ -1,8 +1,9 @@
 // CUDA entry points of the row cache's ops (registration.cpp has their contracts): a row cache's step
 // planned on the device in a few launches, with nothing read back to the host.
-#include "../transfer/transfer.h"
-#include "cache_kernels.h"
-#include "speedtorch_ops/checks.h"
+#include "cache/cache_checks.h"
+#include "cache/cache_kernels.h"
+#include "common/checks.h"
+#include "copy/pairs.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -8,12 +8,13 @@
 //         lands. Then the host gathers the load rows into pinned staging, each chunk copied
 //         up as soon as it is in, and one launch moves them into the batch.
 //   cur waits for dma at the end; the call returns when the host part is done.
-#include "hybrid.h"
+#include "hybrid/hybrid.h"
 
-#include "speedtorch_ops/checks.h"
-#include "split.h"
-#include "staging.h"
-#include "tuner.h"
+#include "common/checks.h"
+#include "copy/rows_cpu.h"
+#include "hybrid/split.h"
+#include "hybrid/staging.h"
+#include "hybrid/tuner.h"
 
 #include <ATen/Parallel.h>
 #include <c10/cuda/CUDAException.h>

@@ -4,8 +4,8 @@
 // through the CPU side (route::Path::kHostStaged).
 #pragma once
 
-#include "../transfer/route.h"
-#include "../transfer/transfer.h"
+#include "copy/pairs.h"
+#include "copy/route.h"
 
 #include <ATen/ATen.h>
 

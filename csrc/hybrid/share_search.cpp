@@ -1,4 +1,4 @@
-#include "share_search.h"
+#include "hybrid/share_search.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "split.h"
+#include "hybrid/split.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "staging.h"
+#include "hybrid/staging.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

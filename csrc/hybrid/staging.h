@@ -2,8 +2,8 @@
 // calls, device scratch, the copy stream, and the launches between scratch and batch rows.
 #pragma once
 
-#include "../transfer/transfer.h"
-#include "../transfer/validation.h"
+#include "copy/pairs.h"
+#include "copy/validation.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>

@@ -1,7 +1,7 @@
-#include "tuner.h"
+#include "hybrid/tuner.h"
 
-#include "../transfer/route.h"
-#include "share_search.h"
+#include "copy/route.h"
+#include "hybrid/share_search.h"
 
 #include <ATen/Parallel.h>
 

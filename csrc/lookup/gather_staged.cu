@@ -1,7 +1,7 @@
 // _gather_staged's kernel (gather_staged.h). Free of torch headers.
-#include "gather_staged.h"
+#include "lookup/gather_staged.h"
 
-#include "../optim/floats.cuh"
+#include "optim/floats.cuh"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // _gather_staged on the CPU (registration.cpp has the contract): torch's own row gathers, the
 // cache's rows laid over the others' (a CPU module has no cache; the op is whole on every
 // device). Indices are checked here: nothing is read outside the tensors.
-#include "speedtorch_ops/checks.h"
+#include "lookup/lookup_checks.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -1,8 +1,8 @@
 // _gather_staged on a GPU (registration.cpp has the contract; gather_staged.cu the kernel): one
 // launch on the current stream, nothing read back.
-#include "../transfer/transfer.h"
-#include "gather_staged.h"
-#include "speedtorch_ops/checks.h"
+#include "common/elem_of.h"
+#include "lookup/gather_staged.h"
+#include "lookup/lookup_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -2,8 +2,8 @@
 // math type, conversions to and from it, and the dispatch from a kernels' Elem. Torch-free.
 #pragma once
 
-#include "../transfer/kernels.h"
-#include "rounding.h"
+#include "common/kernel_types.h"
+#include "optim/rounding.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,7 +1,7 @@
 // The fused optimizer update's kernel (fused_update.h). Free of torch headers.
-#include "fused_update.h"
+#include "optim/fused_update.h"
 
-#include "floats.cuh"
+#include "optim/floats.cuh"
 
 #include <algorithm>
 #include <cstdint>

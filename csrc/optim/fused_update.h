@@ -2,8 +2,8 @@
 // types only, like the other launchers: the kernel file is compiled without torch's headers.
 #pragma once
 
-#include "../transfer/kernels.h"
-#include "rules.h"
+#include "common/kernel_types.h"
+#include "optim/rules.h"
 
 #include <cuda_runtime.h>
 

@@ -1,9 +1,9 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
 // the staged records are independent, so they split over the threads.
-#include "hyper.h"
-#include "rounding_aten.h"
-#include "rules.h"
-#include "speedtorch_ops/checks.h"
+#include "common/parallel.h"
+#include "optim/optim_checks.h"
+#include "optim/rounding_aten.h"
+#include "optim/rules.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -64,7 +64,7 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
                           at::ScalarType state_dtype, const c10::optional<at::Tensor>& cache,
                           const c10::optional<at::Tensor>& at,
                           const c10::optional<at::Tensor>& rounding) {
-  const optim::Checked checked = optim::checked_update(
+  const FusedUpdateArgs checked = check_fused_update_args(
       buf, grad, count, step, rule_arg, hyper, flags, fields, state_dtype, cache, at, rounding);
   const optim::Rule rule = checked.rule;
   const optim::Hyper h = checked.hyper;

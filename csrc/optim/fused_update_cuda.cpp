@@ -1,10 +1,9 @@
 // _fused_row_update on a GPU (registration.cpp has the contract; fused_update.cu the kernel):
 // one launch on the current stream; the step count is read by the kernel when it lives on the
 // device (a captured step's replays count on), on the host when it lives there.
-#include "../transfer/transfer.h"
-#include "fused_update.h"
-#include "hyper.h"
-#include "speedtorch_ops/checks.h"
+#include "common/elem_of.h"
+#include "optim/fused_update.h"
+#include "optim/optim_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -22,7 +21,7 @@ void fused_row_update_cuda(at::Tensor& buf, const at::Tensor& grad, const at::Te
                            const c10::optional<at::Tensor>& cache,
                            const c10::optional<at::Tensor>& at,
                            const c10::optional<at::Tensor>& rounding) {
-  const optim::Checked checked = optim::checked_update(
+  const FusedUpdateArgs checked = check_fused_update_args(
       buf, grad, count, step, rule_arg, hyper, flags, fields, state_dtype, cache, at, rounding);
   const c10::cuda::CUDAGuard guard(buf.device());
   const void* step_ptr = nullptr;  // a count on the device: the kernel derives the constants

@@ -1,7 +1,7 @@
 // _round_into's kernel (round_into.h). Free of torch headers.
-#include "round_into.h"
+#include "optim/round_into.h"
 
-#include "floats.cuh"
+#include "optim/floats.cuh"
 
 #include <algorithm>
 #include <type_traits>

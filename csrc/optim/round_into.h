@@ -2,7 +2,7 @@
 // only, like the other launchers: the kernel file is compiled without torch's headers.
 #pragma once
 
-#include "../transfer/kernels.h"
+#include "common/kernel_types.h"
 
 #include <cuda_runtime.h>
 

@@ -1,7 +1,8 @@
 // _round_into on the CPU (registration.cpp has the contract; rounding.h the draws): the
 // elements are independent, so they split over the threads.
-#include "rounding_aten.h"
-#include "speedtorch_ops/checks.h"
+#include "common/parallel.h"
+#include "optim/optim_checks.h"
+#include "optim/rounding_aten.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

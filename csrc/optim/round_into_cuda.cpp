@@ -1,8 +1,8 @@
 // _round_into on a GPU (registration.cpp has the contract; round_into.cu the kernel): one
 // launch on the current stream; the seed and counter are read by the kernel.
-#include "../transfer/transfer.h"
-#include "round_into.h"
-#include "speedtorch_ops/checks.h"
+#include "common/elem_of.h"
+#include "optim/optim_checks.h"
+#include "optim/round_into.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "rules.h"  // SPEEDTORCH_HD
+#include "optim/rules.h"  // SPEEDTORCH_HD
 
 namespace speedtorch_ops::optim {
 

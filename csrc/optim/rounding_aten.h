@@ -2,7 +2,7 @@
 // _round_into).
 #pragma once
 
-#include "rounding.h"
+#include "optim/rounding.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

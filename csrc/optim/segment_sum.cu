@@ -1,7 +1,7 @@
 // _segment_sum's kernels (segment_sum.h). Free of torch headers.
-#include "segment_sum.h"
+#include "optim/segment_sum.h"
 
-#include "floats.cuh"
+#include "optim/floats.cuh"
 
 #include <algorithm>
 #include <cstdint>

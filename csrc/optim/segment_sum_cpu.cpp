@@ -1,7 +1,9 @@
 // _segment_sum on the CPU (registration.cpp has the contract): each output row sums its
 // segment's positions in order (the order index_add_ would add them), rows split over threads;
 // several gradient pieces are joined first (a copy costs little beside the sums here).
-#include "speedtorch_ops/checks.h"
+#include "common/checks.h"
+#include "common/parallel.h"
+#include "optim/optim_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

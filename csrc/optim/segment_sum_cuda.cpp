@@ -1,8 +1,8 @@
 // _segment_sum on a GPU (registration.cpp has the contract; segment_sum.cu the kernels): two
 // launches on the current stream, nothing read back; the gradient pieces are read in place.
-#include "../transfer/transfer.h"
-#include "segment_sum.h"
-#include "speedtorch_ops/checks.h"
+#include "common/elem_of.h"
+#include "optim/optim_checks.h"
+#include "optim/segment_sum.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

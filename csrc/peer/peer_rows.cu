@@ -1,7 +1,7 @@
 // _peer_rows's kernel (peer_rows.h). Free of torch headers.
-#include "peer_rows.h"
+#include "peer/peer_rows.h"
 
-#include "../transfer/kernels.h"
+#include "common/kernel_types.h"
 
 #include <algorithm>
 #include <cstdint>

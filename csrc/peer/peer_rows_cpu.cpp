@@ -1,8 +1,8 @@
 // _peer_rows on the CPU (registration.cpp has the contract): the addresses are this process's
 // host memory (the op's CPU form, for tests of the same contract the GPU kernel keeps). The
 // ranks are checked here; the addresses and rows are trusted, as on the GPU.
-#include "../transfer/row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "copy/row_copy.h"
+#include "peer/peer_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

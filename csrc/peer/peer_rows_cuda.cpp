@@ -1,7 +1,7 @@
 // _peer_rows on a GPU (registration.cpp has the contract; peer_rows.cu the kernel): one launch on
 // the current stream, nothing read back.
-#include "peer_rows.h"
-#include "speedtorch_ops/checks.h"
+#include "peer/peer_checks.h"
+#include "peer/peer_rows.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

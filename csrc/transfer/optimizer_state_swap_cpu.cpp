@@ -1,5 +1,8 @@
 // CPU optimizer_state_swap: per pair, write the batch rows back, then load the next batch's rows.
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "copy/rows_cpu.h"
+#include "transfer/transfer_checks.h"
 
 #include <torch/library.h>
 

@@ -1,7 +1,10 @@
 // CPU kernel of _sorted_transfer: a batch's rows moved by ids the caller sorted (registration.cpp
 // has the contract).
-#include "row_copy.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "common/parallel.h"
+#include "copy/row_copy.h"
+#include "transfer/transfer_checks.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -39,7 +42,7 @@ void sorted_transfer_cpu(at::Tensor& table, at::TensorList parts, const at::Tens
   char* t = static_cast<char*>(table.mutable_data_ptr());
   std::vector<char*> p;
   for (const auto& part : parts) p.push_back(static_cast<char*>(part.mutable_data_ptr()));
-  // The rows of a table larger than the caches are asked for ahead of their copy (row_copy.h,
+  // The rows of a table larger than the caches are asked for ahead of their copy (copy/row_copy.h,
   // prefetch_ahead): the next rows' misses overlap this row's copy (docs/decisions.md,
   // "Read-ahead in the CPU sorted transfer").
   const int64_t ahead = prefetch_ahead(rb, static_cast<int64_t>(table.nbytes()));

@@ -3,14 +3,16 @@
 // synchronizes the device. CUDA-graph safety: with CUDA indices and tables a kernel can address
 // the transfers capture; bounds_check='raise' cannot wait while capturing, so a captured call
 // reports a bad index like a deferred one (deferred.h); paths with host work refuse to capture.
-#include "addressing.h"
-#include "deferred.h"
-#include "../hybrid/hybrid.h"
-#include "../hybrid/tuner.h"
-#include "route.h"
-#include "speedtorch_ops/checks.h"
-#include "transfer.h"
-#include "validation.h"
+#include "common/bounds_check.h"
+#include "common/checks.h"
+#include "copy/addressing.h"
+#include "copy/deferred.h"
+#include "copy/pairs.h"
+#include "copy/route.h"
+#include "copy/validation.h"
+#include "hybrid/hybrid.h"
+#include "hybrid/tuner.h"
+#include "transfer/transfer_checks.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -10,7 +10,8 @@
 #include <random>
 #include <vector>
 
-#include "speedtorch_ops/checks.h"
+#include "copy/rows_cpu.h"
+#include "transfer/transfer_checks.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // it is torch- and CUDA-free, so these tests run on machines without a GPU.
 #include <catch2/catch.hpp>
 
-#include "transfer/route.h"
+#include "copy/route.h"
 
 namespace {
 

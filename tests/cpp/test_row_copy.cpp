@@ -2,7 +2,7 @@
 // gather are read ahead, and which cache lines a row's read-ahead asks for.
 #include <catch2/catch.hpp>
 
-#include "transfer/row_copy.h"
+#include "copy/row_copy.h"
 
 #include <cstdint>
 

@@ -1,8 +1,8 @@
 // The zero-copy row kernels. A pinned host table is mapped into the GPU's address space, so the
 // same kernel reads and writes host rows over PCIe or device rows in HBM.
-#include "kernels.h"
+#include "copy/kernels.h"
 
-#include "elementwise.cuh"
+#include "common/elementwise.cuh"
 
 #include <cooperative_groups.h>
 #include <cub/device/device_radix_sort.cuh>

@@ -3,8 +3,8 @@
 // status first). Whether the call then waits to raise is the bounds_check mode's choice.
 #pragma once
 
-#include "kernels.h"
-#include "speedtorch_ops/checks.h"
+#include "common/bounds_check.h"
+#include "copy/kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

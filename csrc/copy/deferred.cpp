@@ -1,4 +1,4 @@
-#include "deferred.h"
+#include "copy/deferred.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

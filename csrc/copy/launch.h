@@ -2,7 +2,7 @@
 // training kernels that run beside a transfer.
 #pragma once
 
-#include "kernels.h"
+#include "copy/kernels.h"
 
 #include <c10/core/Device.h>
 

@@ -1,6 +1,7 @@
-#include "transfer.h"
+#include "copy/pairs.h"
 
-#include "launch.h"
+#include "common/elem_of.h"
+#include "copy/launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -33,22 +34,6 @@ void for_each_group(const std::vector<Pair>& pairs, bool to_batch, const Go& go)
 }
 
 }  // namespace
-
-kernels::Elem elem_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kernels::Elem::kF32;
-    case at::kDouble: return kernels::Elem::kF64;
-    case at::kHalf: return kernels::Elem::kF16;
-    case at::kBFloat16: return kernels::Elem::kBF16;
-    case at::kChar: return kernels::Elem::kI8;
-    case at::kByte: return kernels::Elem::kU8;
-    case at::kShort: return kernels::Elem::kI16;
-    case at::kInt: return kernels::Elem::kI32;
-    case at::kLong: return kernels::Elem::kI64;
-    case at::kBool: return kernels::Elem::kBool;
-    default: TORCH_INTERNAL_ASSERT(false, "unchecked element dtype ", t);
-  }
-}
 
 DeviceIndex DeviceIndex::presorted(const at::Tensor& sorted_rows, const at::Tensor& slots,
                                    const int64_t* limit) {

@@ -1,7 +1,7 @@
-#include "validation.h"
+#include "copy/validation.h"
 
-#include "deferred.h"
-#include "launch.h"
+#include "copy/deferred.h"
+#include "copy/launch.h"
 
 #include <c10/cuda/CUDAException.h>
 

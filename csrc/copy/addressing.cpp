@@ -1,4 +1,4 @@
-#include "addressing.h"
+#include "copy/addressing.h"
 
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>

@@ -1,10 +1,10 @@
 // The row moves of the CUDA paths: one or more (table, batch) pairs moved by one index on the
-// device, in as few launches as possible. Shared by the op entry points (ops.cpp) and the
-// hybrid path's zero-copy side.
+// device, in as few launches as possible. Shared by the transfer ops' entry points
+// (transfer/transfer_ops_cuda.cpp), the hybrid path's zero-copy side and the row cache's sort.
 #pragma once
 
-#include "route.h"
-#include "validation.h"
+#include "copy/route.h"
+#include "copy/validation.h"
 
 #include <ATen/ATen.h>
 
@@ -14,9 +14,6 @@
 #include <vector>
 
 namespace speedtorch_ops::torch_cuda {
-
-// The kernels' element type of a tensor dtype (one the caller checked).
-kernels::Elem elem_of(at::ScalarType t);
 
 // One store and its batch-sized tensor, as device-visible addresses.
 struct Pair {

@@ -1,5 +1,5 @@
 // The launch shape and loop of the element-wise kernels (one thread an element), shared by
-// kernels.cu and cache/cache_kernels.cu. Torch-free, like the kernels.
+// copy/kernels.cu and cache/cache_kernels.cu. Torch-free, like the kernels.
 #pragma once
 
 #include <algorithm>

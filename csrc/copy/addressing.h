@@ -2,7 +2,7 @@
 // mapped address (the GPU reads it over PCIe in place), pageable host memory not at all.
 #pragma once
 
-#include "route.h"
+#include "copy/route.h"
 
 #include <ATen/core/Tensor.h>
 

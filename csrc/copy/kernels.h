@@ -1,7 +1,9 @@
-// Launchers of the CUDA kernels. Plain C++ types only, so kernels.cu stays free of torch headers
-// (nvcc is slow; the torch-facing code is built by the host compiler). Each launcher returns
-// cudaGetLastError() of its launch; callers check it with C10_CUDA_CHECK.
+// Launchers of the row copy kernels. Plain C++ types only, so kernels.cu stays free of torch
+// headers (nvcc is slow; the torch-facing code is built by the host compiler). Each launcher
+// returns cudaGetLastError() of its launch; callers check it with C10_CUDA_CHECK.
 #pragma once
+
+#include "common/kernel_types.h"
 
 #include <cuda_runtime.h>
 
@@ -12,18 +14,6 @@ namespace speedtorch_ops::kernels {
 // status: 4 int64 on the device, zeroed per call: {bad, argument id, position, value}.
 // Transfer kernels read status[0] first and write nothing when an index was bad.
 constexpr int kStatusWords = 4;
-
-// Calls go(W{}) with the widest word W of 16, 8, 4, 2 or 1 bytes that divides `align` (the OR
-// of every address, row size and stride a kernel moves words of): rows that are not a multiple
-// of 16 bytes take a narrower, never a wrong, path.
-template <typename Go>
-cudaError_t by_word(uintptr_t align, const Go& go) {
-  if (align % 16 == 0) return go(uint4{});
-  if (align % 8 == 0) return go(uint2{});
-  if (align % 4 == 0) return go(uint32_t{});
-  if (align % 2 == 0) return go(uint16_t{});
-  return go(uint8_t{});
-}
 
 // Up to kMaxTables tables moved by one launch with the same indices (a weight and its optimizer
 // state): table k copies rows of row_bytes[k] bytes from src[k] to dst[k], row r starting
@@ -154,9 +144,6 @@ cudaError_t launch_scatter_fused(const Tables& t, const int64_t* idx, int64_t n,
 cudaError_t launch_gather_sorted(const Tables& t, const int64_t* sorted, const int64_t* perm,
                                  int64_t n, const int64_t* status, Grid grid,
                                  cudaStream_t stream, const int64_t* limit = nullptr);
-
-// Element types of accumulate.
-enum class Elem { kF32, kF64, kF16, kBF16, kI8, kU8, kI16, kI32, kI64, kBool };
 
 // table[sorted[j]] += src[perm[j]] for runs of equal sorted values, each run added in order
 // (sorted stably, so in the caller's index order): deterministic, like the CPU kernel.

@@ -5,7 +5,7 @@
 // The host reads the record without waiting, so a training loop keeps queueing ahead.
 #pragma once
 
-#include "kernels.h"
+#include "copy/kernels.h"
 
 #include <c10/core/Device.h>
 

@@ -1,4 +1,4 @@
-#include "route.h"
+#include "copy/route.h"
 
 #include <algorithm>
 

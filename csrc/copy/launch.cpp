@@ -1,4 +1,4 @@
-#include "launch.h"
+#include "copy/launch.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
