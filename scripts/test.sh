@@ -3,6 +3,9 @@
 # On a machine without a GPU the CUDA tests skip; scripts/gpu_check.sh runs them on a GPU machine.
 source "$(dirname "$0")/setup.sh"
 
+echo "== the house's limits (scripts/check_house.py: sizes, layers, private calls, positions)"
+"$PY" scripts/check_house.py
+
 echo "== C++ tests (Catch2 against LibTorch; built by scripts/setup.sh)"
 (cd build/cpp && ctest --output-on-failure)
 
