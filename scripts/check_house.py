@@ -6,7 +6,9 @@
 - private calls across modules: ``x._name`` only where this file defines ``_name`` (or on the
   private ops, ``ops._*``, which are the package's own interface to its kernels);
 - positions: no result read by position (``f(...)[1]``, ``x[k][2]``): a named tuple or a
-  dataclass says what each part is.
+  dataclass says what each part is;
+- docstrings: every class a user imports (the ``__all__`` of the package, ``distributed`` and
+  ``compat``) and every named part of the engine has "Args" and an "Example".
 
 Tests and benches are left out. Prints each breach with its place and exits 1 if there is one.
 """
@@ -137,6 +139,37 @@ def _positions(path: str, tree: ast.Module) -> list:
     return out
 
 
+# The engine's named parts (training/): public classes a front-end builds on.
+ENGINE_PARTS = {"RowEngine", "HostTable", "RowUpdate", "HostRows", "CachedRows", "Plan",
+                "ColocatedRows"}
+
+
+def _exported() -> set:
+    """The names in the ``__all__`` of the package's public namespaces."""
+    names = set()
+    for sub in ("", "distributed", "compat"):
+        tree = ast.parse(open(os.path.join(PACKAGE, sub, "__init__.py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
+    return names
+
+
+def _docstrings(trees: dict) -> list:
+    wanted = _exported() | ENGINE_PARTS
+    out = []
+    for path, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name in wanted:
+                doc = ast.get_docstring(node) or ""
+                missing = [k for k in ("Args", "Example") if k not in doc]
+                if missing:
+                    out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: class {node.name}'s "
+                               f"docstring has no {' or '.join(missing)}")
+    return out
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
@@ -175,15 +208,16 @@ def _csrc_cycles() -> list:
 
 
 def main() -> int:
-    breaches = []
+    breaches, trees = [], {}
     for path in _py_files():
         with open(path) as f:
             text = f.read()
-        tree = ast.parse(text, path)
+        tree = trees[path] = ast.parse(text, path)
         breaches += _sizes(path, tree, text.count("\n") + 1)
         breaches += _imports_up(path, tree)
         breaches += _private_calls(path, tree)
         breaches += _positions(path, tree)
+    breaches += _docstrings(trees)
     breaches += _csrc_cycles()
     for line in breaches:
         print(line)

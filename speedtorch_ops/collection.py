@@ -661,8 +661,12 @@ class HostEmbeddingBagCollection(nn.Module):
 
 class HostEmbeddingCollection(HostEmbeddingBagCollection):
     """Every id's row, no pooling (TorchRec's EmbeddingCollection): ``forward`` returns
-    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used. Arguments and
-    everything else as ``HostEmbeddingBagCollection``'s.
+    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used.
+
+    Args:
+        tables, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check, dtype,
+            state_dtype, stochastic_rounding: as ``HostEmbeddingBagCollection``'s (no
+            ``is_weighted``: nothing is pooled, as TorchRec's EmbeddingCollection).
 
     Example::
 

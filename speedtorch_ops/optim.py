@@ -92,6 +92,11 @@ class PartialRowWiseAdam(torch.optim.Optimizer):
             betas in [0, 1)).
         capturable: keep the step count on the parameter's device (a CUDA graph can then
             replay the step).
+
+    Example::
+
+        emb = HostEmbedding(1_000_000, 128, optimizer=PartialRowWiseAdam,
+                            optimizer_kwargs={"lr": 1e-3}, dtype=torch.bfloat16)
     """
 
     per_row_state = ("exp_avg_sq",)

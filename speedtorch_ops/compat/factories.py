@@ -418,7 +418,20 @@ def _pin_or_gpu(CPUPinn) -> str:
 
 class ModelFactory(_ModelSwitcher):
     """``ModelFactory(model_variable, total_classes, embed_dimension, datatype='float32',
-    CPUPinn=False)``: the table in GPU memory, or pinned host memory with ``CPUPinn=True``."""
+    CPUPinn=False)``: the table in GPU memory, or pinned host memory with ``CPUPinn=True``.
+
+    Args:
+        model_variable: the batch-sized ``nn.Embedding`` module whose weight holds a batch's rows.
+        total_classes, embed_dimension: the full table's rows and columns.
+        datatype: the table's dtype, a name (``'float32'``) or a ``torch.dtype``.
+        CPUPinn: pinned host memory (ordinary host memory without a GPU), not GPU memory.
+
+    Example::
+
+        model = torch.nn.ModuleDict({"u": torch.nn.Embedding(2, 64)})  # batch-sized
+        mf = ModelFactory(model.u, total_classes=1000, embed_dimension=64, CPUPinn=True)
+        mf.uniformDistributionInit(-0.1, 0.1); mf.beforeForwardPass(np.array([[3, 7]]))
+    """
 
     _attr = "CUPYcorpus"
 
@@ -431,7 +444,18 @@ class ModelFactory(_ModelSwitcher):
 
 class OptimizerFactory(_OptimizerSwitcher):
     """``OptimizerFactory(given_optimizer, total_classes, embed_dimension, model, variable_name,
-    dtype='float32', CPUPinn=False)``: one state table per entry of ``optVarList``."""
+    dtype='float32', CPUPinn=False)``: one state table per entry of ``optVarList``.
+
+    Args:
+        given_optimizer: a torch optimizer holding the embedding's weight.
+        model, variable_name: the model, its embedding's name in it (``'u'`` or ``'u.weight'``).
+        total_classes, embed_dimension, dtype, CPUPinn: as ModelFactory's, for the state tables.
+
+    Example::
+
+        opt = torch.optim.Adam(model.parameters())  # state tables: exp_avg, exp_avg_sq
+        of = OptimizerFactory(opt, 1000, 64, model, "u", CPUPinn=True); of.optInit()
+    """
 
     _attr = "CUPYcorpi"
 
@@ -443,7 +467,11 @@ class OptimizerFactory(_OptimizerSwitcher):
 
 
 class COM(_COMBase):
-    """``COM(total_classes, datatype='uint32', CPUPinn=False)``."""
+    """``COM(total_classes, datatype='uint32', CPUPinn=False)``. Args: ``total_classes``: the
+    square table's side; ``datatype``: its dtype; ``CPUPinn``: as ModelFactory's. Example::
+
+        com = COM(1000, CPUPinn=True); com.comInit()  # com.CUPYCom: (1000, 1000) zeros
+    """
 
     def __init__(self, total_classes, datatype="uint32", CPUPinn=False):
         super().__init__(total_classes, datatype, _pin_or_gpu(CPUPinn))
@@ -451,7 +479,11 @@ class COM(_COMBase):
 
 
 class DataGadget(_GadgetBase):
-    """``DataGadget(fileName, CPUPinn=False)``: a ``.npy`` array in GPU or pinned memory."""
+    """``DataGadget(fileName, CPUPinn=False)``: a ``.npy`` array in GPU or pinned memory.
+    Args: ``fileName``: the file (or an array or tensor); ``CPUPinn``: as ModelFactory's. Example::
+
+        g = DataGadget(np.ones((9, 8), "f4"), CPUPinn=True); g.gadgetInit(); g.getData([5, 2])
+    """
 
     def gadgetInit(self) -> None:
         table = self._source()
@@ -463,7 +495,11 @@ class DataGadget(_GadgetBase):
 class ModelFactoryMM(_ModelSwitcher):
     """``ModelFactoryMM(model_variable, total_classes, embed_dimension, diskname='variable',
     datatype='float32', CPUPinn=False)``: the table is the memory-mapped file
-    ``{diskname}{n}.memmap.cpy.npy`` (first free n, in the working directory); writes reach it."""
+    ``{diskname}{n}.memmap.cpy.npy`` (first free n, in the working directory); writes reach it.
+    Args: as ModelFactory's; ``diskname``: the file's stem; ``CPUPinn``: page-lock it. Example::
+
+        mf = ModelFactoryMM(model.u, 1000, 64, "emb"); mf.zerosInit()  # emb0.memmap.cpy.npy
+    """
 
     _attr = "CUPYmemmap"
 
@@ -484,7 +520,11 @@ class ModelFactoryMM(_ModelSwitcher):
 class OptimizerFactoryMM(_OptimizerSwitcher):
     """``OptimizerFactoryMM(given_optimizer, total_classes, embed_dimension, model,
     variable_name, dtype='float32', CPUPinn=False)``: one memory-mapped file per state tensor,
-    ``{variable_name}{OptimizerName}{n}.memmap{key}.cpy.npy``."""
+    ``{variable_name}{OptimizerName}{n}.memmap{key}.cpy.npy``. Args: as OptimizerFactory's
+    (``CPUPinn`` as ModelFactoryMM's). Example::
+
+        of = OptimizerFactoryMM(opt, 1000, 64, model, "u"); of.optInit()  # uAdam0.memmap...
+    """
 
     _attr = "CUPYmemmap"
 
@@ -505,7 +545,11 @@ class OptimizerFactoryMM(_OptimizerSwitcher):
 
 
 class COMMM(_COMBase):
-    """``COMMM(total_classes, diskname='COM', datatype='uint32', CPUPinn=False)``."""
+    """``COMMM(total_classes, diskname='COM', datatype='uint32', CPUPinn=False)``.
+    Args: as COM's; ``diskname``, ``CPUPinn``: as ModelFactoryMM's. Example::
+
+        com = COMMM(100, "cooc"); com.comInit()  # cooc0.memmap.cpy.npy
+    """
 
     def __init__(self, total_classes, diskname="COM", datatype="uint32", CPUPinn=False):
         super().__init__(total_classes, datatype, "mmap")
@@ -520,7 +564,10 @@ class COMMM(_COMBase):
 
 class DataGadgetMM(_GadgetBase):
     """``DataGadgetMM(fileName, CPUPinn=False)``: the ``.npy`` file itself, memory-mapped
-    read-write, as the store."""
+    read-write, as the store. Args: ``fileName``: that file; ``CPUPinn``: unused. Example::
+
+        np.save("d.npy", np.ones((9, 8), "f4")); g = DataGadgetMM("d.npy"); g.gadgetInit()
+    """
 
     _attr = "CUPYmemmap"
 
@@ -553,26 +600,50 @@ class _FixedCOM(_COMBase):
 
 
 class GPUPytorchModelFactory(_FixedModelFactory):
+    """In GPU memory. Args: as PytorchModelFactory's without deviceType, pinType. Example::
+
+        mf = GPUPytorchModelFactory(model.u, 1000, 64, torch.float32)  # init methods need a GPU
+    """
     _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
 
 class GPUPytorchOptimizerFactory(_FixedOptimizerFactory):
+    """In GPU memory. Args: as PytorchOptimizerFactory's without deviceType, pinType. Example::
+
+        of = GPUPytorchOptimizerFactory(opt, 1000, 64, model, "u")  # optInit needs a GPU
+    """
     _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
 
 class GPUPytorchCOM(_FixedCOM):
+    """In GPU memory. Args: as PytorchCOM's without deviceType, pinType. Example::
+
+        com = GPUPytorchCOM(1000, torch.int32)  # comInit needs a GPU
+    """
     _attr, _fixed_placement = "pytorchGPUVar", "cuda"
 
 
 class CPUPytorchModelFactory(_FixedModelFactory):
+    """In pinned host memory. Args: as GPUPytorchModelFactory's. Example::
+
+        mf = CPUPytorchModelFactory(model.u, 1000, 64); mf.normalDistributionInit(0.0, 0.1)
+    """
     _attr, _fixed_placement = "pytorchCPUVar", "pinned"
 
 
 class CPUPytorchOptimizerFactory(_FixedOptimizerFactory):
+    """In pinned host memory. Args: as GPUPytorchOptimizerFactory's. Example::
+
+        of = CPUPytorchOptimizerFactory(opt, 1000, 64, model, "u"); of.optInit()
+    """
     _attr, _fixed_placement = "pytorchCPUVar", "pinned"
 
 
 class CPUPytorchCOM(_FixedCOM):
+    """In pinned host memory. Args: as GPUPytorchCOM's. Example::
+
+        com = CPUPytorchCOM(1000); com.comInit()
+    """
     _attr, _fixed_placement = "pytorchCPUVar", "pinned"
 
 
@@ -585,6 +656,11 @@ def _torch_placement(deviceType, pinType) -> str:
 
 
 class PytorchModelFactory(_ModelSwitcher):
+    """The table in ``deviceType``'s memory. Args: as ModelFactory's (no ``CPUPinn``);
+    ``deviceType``: ``'cuda'`` or ``'cpu'``; ``pinType``: pinned (``'cpu'`` only). Example::
+
+        mf = PytorchModelFactory(model.u, 1000, 64, deviceType="cpu", pinType=True)
+    """
     _attr = "pytorchGPUVar"
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype=torch.float,
@@ -595,6 +671,11 @@ class PytorchModelFactory(_ModelSwitcher):
 
 
 class PytorchOptimizerFactory(_OptimizerSwitcher):
+    """The state tables in ``deviceType``'s memory. Args: as OptimizerFactory's (no
+    ``CPUPinn``); ``deviceType``, ``pinType``: as PytorchModelFactory's. Example::
+
+        of = PytorchOptimizerFactory(opt, 1000, 64, model, "u", deviceType="cpu")
+    """
     _attr = "pytorchGPUVar"
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
@@ -605,6 +686,11 @@ class PytorchOptimizerFactory(_OptimizerSwitcher):
 
 
 class PytorchCOM(_COMBase):
+    """The table in ``deviceType``'s memory. Args: as COM's (no ``CPUPinn``); ``deviceType``,
+    ``pinType``: as PytorchModelFactory's. Example::
+
+        com = PytorchCOM(1000, torch.int32, deviceType="cpu"); com.comInit()
+    """
     _attr = "pytorchGPUVar"
 
     def __init__(self, total_classes, datatype=torch.int32, deviceType="cuda", pinType=False):

@@ -340,7 +340,19 @@ class ShardedHostEmbedding(_ShardedRows):
 class ShardedHostEmbeddingBag(_ShardedRows):
     """``HostEmbeddingBag`` (modes "sum" and "mean") split by rows across a process group:
     ``forward(input, offsets=None, per_sample_weights=None)`` (collective) as
-    ``nn.EmbeddingBag``'s."""
+    ``nn.EmbeddingBag``'s.
+
+    Args:
+        num_embeddings, embedding_dim: the whole table's shape.
+        mode: "sum" or "mean".
+        **kwargs: as ``ShardedHostEmbedding``'s (group, device, cache_bytes, optimizer, ...).
+
+    Example::
+
+        bag = ShardedHostEmbeddingBag(1_000_000, 64, mode="sum", optimizer=torch.optim.Adagrad)
+        pooled = bag(ids, offsets)      # every rank calls it, with its own batch
+        pooled.sum().backward(); bag.step()
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", **kwargs):
         if mode not in ("sum", "mean"):

@@ -71,7 +71,24 @@ def cache_slots(cache_bytes: int, rows: int, row_bytes: int, strict: bool = True
 
 
 class CachedRows(HostRows):
-    """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring)."""
+    """A GPU row cache of ``slots`` rows in front of the host table (see the module docstring).
+
+    Args:
+        host: the host table (rows, parts, record), pinned.
+        device: the GPU the cache and a step's rows live on.
+        slots: the rows it holds (``cache_slots`` gives them for a budget).
+        aging_steps: steps between halvings of the use counts.
+        overlap, lane_sms, write_sms: the lane (a side stream for the victims and their
+            write-backs) and the transfers' SM caps.
+        admission: "frequency" (a miss takes a colder row's slot) or "always".
+        defer: keep refused misses on the GPU for the next stage (None: when smaller than
+            its table).
+
+    Example::
+
+        store = CachedRows(engine.table.host, torch.device("cuda"), slots=100_000)
+        buf, d = store.stage(plan)      # the step's distinct rows; then commit() or discard()
+    """
 
     lane_sms = SmCap(LANE_SMS)
     write_sms = SmCap(WRITE_SMS)

@@ -181,7 +181,18 @@ class Deferred(NamedTuple):
 
 class HostRows:
     """Every distinct row of a step read from and written back to the host table (rows, parts,
-    *row): one transfer each way, each distinct row once, in address order."""
+    *row): one transfer each way, each distinct row once, in address order.
+
+    Args:
+        host: the host table (rows, parts, record): pinned for a GPU, else ordinary memory.
+        device: where a step's rows are staged.
+
+    Example::
+
+        store = HostRows(engine.table.host, torch.device("cpu"))
+        buf, d = store.stage(Plan(ids, store.device))   # d.count distinct rows in buf
+        store.commit()                                   # written back
+    """
 
     def __init__(self, host: Tensor, device: torch.device):
         self.host = host

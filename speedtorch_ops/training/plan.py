@@ -64,7 +64,18 @@ class Plan:
     sorted once, with each slot's owner. Device work is queued without synchronizing.
 
     ``Plan.on_device(index)``: a plan of ids that are already on a GPU (``cpu`` is None); no
-    host copy is made, so such a plan can be built inside a CUDA graph capture."""
+    host copy is made, so such a plan can be built inside a CUDA graph capture.
+
+    Args:
+        ids: the batch's integer ids (any shape), on the host.
+        device: where the index goes.
+
+    Example::
+
+        plan = Plan(torch.tensor([3, 1, 3]), torch.device("cpu"))
+        plan.check(10)          # every id in [0, 10), or an error naming it
+        plan.index              # the ids on the device, int64
+    """
 
     def __init__(self, ids, device: torch.device):
         self.cpu = host_ids(ids)
