@@ -26,8 +26,9 @@ and distinct ids at growing sizes, each forced serial and forced parallel (sweep
     python bench/cpu_module.py --threads 1 2 --trees /tmp/before . --busy --both
     python bench/cpu_module.py --sweep --threads 2 --busy --both
 
-Output: a printed table, bench/results/cpu_module-<tag>.json (and .png with matplotlib), or
-cpu_module-sweep-<tag>.json.
+Output: a printed table, <out>/cpu_module-<tag>.json (and .png with matplotlib), or
+<out>/cpu_module-sweep-<tag>.json; --out defaults to bench/out (ignored by git: pass --out
+bench/results to replace a tracked record).
 """
 
 import argparse
@@ -385,7 +386,7 @@ def main():
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tag", default="run")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/out")
     p.add_argument("--sweep", action="store_true",
                    help="instead of the step: the serial threshold's sweep (see sweep_kernels)")
     p.add_argument("--sweep-table", type=int, default=1_000_000)

@@ -10,9 +10,10 @@ span, row bytes, rows moved), rounds in rotated order of, to the GPU and back:
   caller holding the index on the GPU would).
 
 Medians in ms (wall clock for CPU-only work, CUDA events otherwise), every round kept. Needs a
-GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png.
+GPU and 24 GiB of pinnable memory. Writes <out>/cpu_side-<tag>.json and .png (--out: bench/out,
+ignored by git; bench/results replaces a tracked record).
 
-    python3 bench/cpu_side.py [--tag T] [--rounds 2] [--reps 9] [--out bench/results]
+    python3 bench/cpu_side.py [--tag T] [--rounds 2] [--reps 9] [--out bench/out]
                               [--row-bytes 512 ...] [--settle 60]
 """
 import argparse
@@ -82,7 +83,7 @@ def main():
     p.add_argument("--tag", default="run")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/out")
     p.add_argument("--row-bytes", type=int, nargs="*", help="only the cases of these row sizes")
     p.add_argument("--settle", type=int, default=HYBRID_SETTLE_CALLS,
                    help="untimed calls of each of our routes first, for the hybrid's split "

@@ -11,9 +11,10 @@ share one limit (the host memory both go through): random rows of a pinned table
   at 0, a CPU index: the CPU op and the copy in 2 MiB chunks, each chunk's work as it lands);
 - host_copy: 1 GiB copied host to host by torch with the same threads (the memory's own rate).
 
-Needs a GPU and the table's pinnable memory. Writes <out>/host_overlap-<tag>.json.
+Needs a GPU and the table's pinnable memory. Writes <out>/host_overlap-<tag>.json (--out:
+bench/out, ignored by git; bench/results replaces a tracked record).
 
-    python3 bench/host_overlap.py [--tag T] [--rounds 3] [--reps 9] [--out bench/results]
+    python3 bench/host_overlap.py [--tag T] [--rounds 3] [--reps 9] [--out bench/out]
                                   [--row-bytes 512] [--rows 131072] [--span-gib 8]
 """
 import argparse
@@ -34,7 +35,7 @@ def main():
     p.add_argument("--tag", default="run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/out")
     p.add_argument("--row-bytes", type=int, default=512)
     p.add_argument("--rows", type=int, default=131072, help="rows moved")
     p.add_argument("--span-gib", type=int, default=8, help="the table's size")

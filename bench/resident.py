@@ -1,9 +1,10 @@
 """CUDA-resident tables: pinned_gather_into / pinned_scatter against index_select /
 index_copy_ on the same 1 GiB table, 131,072 random rows of 512, 128, 64 and 32 B. ms per call in a
 loop of 20 (the GPU's rate; a call's host time counts only where it is longer) and for one call
-alone (medians, CUDA events). Writes <out>/resident-<tag>.json.
+alone (medians, CUDA events). Writes <out>/resident-<tag>.json (--out: bench/out, ignored by
+git; bench/results replaces a tracked record).
 
-    python3 bench/resident.py [--tag T] [--out bench/results]
+    python3 bench/resident.py [--tag T] [--out bench/out]
 """
 import argparse
 import json
@@ -18,7 +19,7 @@ from _timing import loop_ms, timed
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tag", default="run")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/out")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")

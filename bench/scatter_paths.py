@@ -3,11 +3,13 @@
 8-24 GiB pinned tables (512 B, 128 B and 64 B rows) by a CUDA index, a CPU index (tuned
 split), a CPU index with the CPU side alone, and the PyTorch recipe (copy down +
 index_copy_), each checked against last-wins on the last 2,000 positions. Prints and writes
-<out>/probe2-<tag>.json. Needs a GPU and 24 GiB of pinnable memory.
+<out>/probe2-<tag>.json (out dir: bench/out, ignored by git). Needs a GPU and 24 GiB of
+pinnable memory.
 
     python3 bench/scatter_paths.py <tag> [bench dir of the tree under test] [out dir]
 """
 import json
+import os
 import sys
 
 import torch
@@ -74,4 +76,6 @@ for span, rb, n in ((8, 512, 131072), (16, 512, 131072), (24, 512, 131072), (8, 
         last[x] = n - 2000 + i
     ok = all(torch.equal(t[x], vc[p]) for x, p in list(last.items())[:500])
     rec(f"scatter {span} GiB {rb} B n {n}", ok=ok, **r)
-json.dump(out, open(f"{sys.argv[3] if len(sys.argv) > 3 else '.'}/probe2-{tag}.json", "w"), indent=1)
+out_dir = sys.argv[3] if len(sys.argv) > 3 else "bench/out"
+os.makedirs(out_dir, exist_ok=True)
+json.dump(out, open(f"{out_dir}/probe2-{tag}.json", "w"), indent=1)

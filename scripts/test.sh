@@ -10,4 +10,6 @@ echo "== C++ tests (Catch2 against LibTorch; built by scripts/setup.sh)"
 (cd build/cpp && ctest --output-on-failure)
 
 echo "== pytest"
-"$PY" -m pytest -q -rs tests "$@"
+# -rfExX: failures, errors and expected failures listed one by one; skips (the CUDA tests on a
+# machine without a GPU) counted by reason, a line each (tests/conftest.py). -rs lists them all.
+"$PY" -m pytest -q -rfExX tests "$@"

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from .eager import compile_eagerly, eager
 from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .modules import HostEmbedding
-from .collection_io import load_collection, save_collection
+from .collection_io import CheckpointNames, load_collection, save_collection
 from .training.checkpoint import load_rows, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
 from .training.cache import cache_slots, check_cache_bytes
@@ -259,7 +259,7 @@ def _check(coll, batch: JaggedBatch, at: dict) -> None:
                                "rows; every id must be in [0, rows). Nothing was written.")
 
 
-class HostEmbeddingBagCollection(nn.Module):
+class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
     """Tables in host memory trained as one step (see the module docstring).
 
     Args:

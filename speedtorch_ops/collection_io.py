@@ -4,6 +4,8 @@ groups that hold them, every entry checked before any group loads."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
@@ -115,3 +117,24 @@ def load_collection(coll, state_dict: dict, prefix: str, missing_keys: list,
     for group, gathered in zip(coll.groups, loads):
         if gathered:
             group.load_rows(gathered, [], [], error_msgs)
+
+
+class CheckpointNames:
+    """The checkpoint keys of a collection (a mixin) for torch.distributed.checkpoint's
+    state-dict helpers (``get_model_state_dict``, ``set_model_state_dict``, ``get_state_dict``),
+    which walk each key's dotted names as attributes of the module: a key's first name is a
+    table's, not an attribute, so ``_fqn_modifiers`` sends the walk of each table's name through
+    a stand-in that holds every name of its keys (``<table>.weight``,
+    ``<table>.optimizer.<state>``)."""
+
+    def _fqn_modifiers(self) -> dict:
+        return {t.name: "_checkpoint_tables" for t in self.tables}
+
+    @property
+    def _checkpoint_tables(self) -> SimpleNamespace:
+        tables = {}
+        for k, t in enumerate(self.tables):
+            state = self.groups[self.place(k).group].engine.update.state
+            optimizer = SimpleNamespace(**dict.fromkeys(state))
+            tables[t.name] = SimpleNamespace(weight=None, optimizer=optimizer)
+        return SimpleNamespace(**tables)

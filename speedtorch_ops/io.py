@@ -19,6 +19,7 @@ import math
 import os
 import secrets
 import struct
+import warnings
 from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import numpy as np
@@ -140,7 +141,38 @@ def _check_target(out: Tensor, shape: Tuple[int, ...], dtype: torch.dtype, what:
                          f"{out.dtype} of shape {tuple(out.shape)}")
 
 
+def new_table(shape: Tuple[int, ...], dtype: torch.dtype, pin: bool, progress: Optional[bool],
+              what: str) -> Tensor:
+    """A new table for a load: pinned when `pin` and a CUDA device is present; without one in
+    ordinary memory, with a warning (nothing could read it in place); a build that cannot pin on
+    a machine with a GPU raises, naming ``pin=False``."""
+    if pin and not torch.cuda.is_available():
+        warnings.warn(f"{what}: no CUDA device, so the table is loaded into ordinary memory, "
+                      "not pinned (pinned memory serves a GPU only); pass pin=False to say so",
+                      stacklevel=3)
+        pin = False
+    try:
+        return empty_pinned(shape, dtype, pin=pin, progress=progress)
+    except RuntimeError as e:
+        if pin and "built without CUDA" in str(e):
+            raise RuntimeError(f"{what}: pin=True, but this speedtorch_ops build cannot pin "
+                               "memory (it was built without CUDA); pass pin=False for an "
+                               "ordinary CPU table, or rebuild with CUDA to read the table in "
+                               "place from the GPU") from e
+        raise
+
+
 # --- .npy ---------------------------------------------------------------------------------
+
+def _check_order(call: str, data, path) -> None:
+    """Raise a TypeError naming the order of `call`'s arguments when its data argument is a path
+    (NumPy's ``np.save(path, array)`` takes the path first)."""
+    if isinstance(data, (str, bytes, os.PathLike)) or isinstance(path, (Tensor, Mapping)):
+        raise TypeError(f"{call.partition('(')[0]}: the arguments are {call}, the data first and "
+                        f"the path second (np.save takes the path first); got a "
+                        f"{type(data).__name__} as the data and a {type(path).__name__} as the "
+                        "path. Nothing was written.")
+
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     try:
@@ -155,8 +187,12 @@ def save_npy(table, path: PathLike, *, progress: Optional[bool] = None,
     """Write ``table`` to ``path`` as a ``.npy`` file (readable by ``np.load``), streamed from
     the table's memory and atomic (a temporary file renamed over ``path``). A list of tables of
     one shape and dtype is written as their stack (k, *shape) without stacking them in memory.
-    Unlike ``np.save``, ``path`` gets no ``.npy`` suffix added."""
+    Unlike ``np.save``, ``path`` gets no ``.npy`` suffix added, and the table comes first."""
+    _check_order("save_npy(table, path)", table, path)
     tables = list(table) if isinstance(table, (list, tuple)) else [table]
+    if any(not isinstance(t, Tensor) for t in tables):
+        raise TypeError(f"save_npy: table must be a tensor or a list of tensors, got "
+                        f"{type(table).__name__} (a NumPy array: np.save, or torch.from_numpy)")
     if not tables or any(t.shape != tables[0].shape or t.dtype != tables[0].dtype
                          for t in tables):
         raise ValueError("save_npy: table must be a tensor or a non-empty list of tensors of one "
@@ -206,14 +242,21 @@ def load_npy(path: PathLike, out: Optional[Tensor] = None, *, pin: bool = True,
     """Load a ``.npy`` file into ``out`` in place (a contiguous CPU tensor of the file's shape and
     dtype, e.g. an existing pinned table), or into a new table (pinned when ``pin``), reading
     straight into the table's memory, so the host never holds a second copy. Also
-    ``speedtorch_ops.load_npy``. Returns the table."""
+    ``speedtorch_ops.load_npy``. Returns the table.
+
+    ``pin`` on a machine without a CUDA device loads into ordinary memory with a warning
+    (``pin=False`` says so and silences it): there pinning serves nothing, since only a GPU
+    reads pinned memory in place, and a file that loads on a laptop is what a user expects. On
+    a machine with a GPU whose speedtorch_ops build cannot pin (built without CUDA) it raises,
+    naming ``pin=False``: there an unpinned table would quietly lose the zero-copy reads the
+    table was loaded for."""
     if out is not None and not isinstance(out, Tensor):
         raise TypeError(f"load_npy: out must be a tensor or None, got {type(out).__name__} "
                         "(pin, progress and chunk_bytes are keyword-only)")
     path = os.fspath(path)
     shape, dtype, offset = read_npy_header(path)
     if out is None:
-        out = empty_pinned(shape, dtype, pin=pin, progress=progress)
+        out = new_table(shape, dtype, pin, progress, "load_npy")
     else:
         _check_target(out, shape, dtype, "load_npy")
     bar = progress_bar(out.numel() * out.element_size(), "loading", progress)
@@ -234,6 +277,7 @@ def save_safetensors(tensors: Mapping[str, Tensor], path: PathLike,
     """Write ``tensors`` (name -> tensor) to ``path`` in the safetensors format (an 8-byte
     little-endian header length, a JSON header, then each tensor's bytes back to back), streamed
     from the tensors' memory and atomic. ``metadata``: strings kept in the header."""
+    _check_order("save_safetensors(tensors, path)", tensors, path)
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -300,11 +344,12 @@ def load_safetensors(path: PathLike, out: Optional[Mapping[str, Tensor]] = None,
     in place (each of the file's shape and dtype: a contiguous CPU tensor is read into
     directly, any other, such as a module's ``state_dict()`` views, through a buffer a chunk of
     rows at a time; with ``strict`` the file must hold exactly ``out``'s names, else it may hold
-    more), or into new tables (pinned when ``pin``). Returns name -> tensor."""
+    more), or into new tables (pinned when ``pin``; without a CUDA device, ordinary memory and
+    a warning, as ``load_npy``). Returns name -> tensor."""
     path = os.fspath(path)
     entries, _, start = read_safetensors_header(path)
     if out is None:
-        out = {name: empty_pinned(e["shape"], e["dtype"], pin=pin, progress=progress)
+        out = {name: new_table(e["shape"], e["dtype"], pin, progress, "load_safetensors")
                for name, e in entries.items()}
     else:
         missing = sorted(set(out) - set(entries))

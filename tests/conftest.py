@@ -105,3 +105,31 @@ def no_unreported_bad_index():
     yield
     if HAS_CUDA:
         speedtorch_ops.sync_bounds_check()
+
+
+def _shows_skips(chars: str) -> bool:
+    """Whether pytest's -r characters `chars` list each skip (as -rs, -ra and -rA do; the last
+    -r given wins, and N clears)."""
+    shown = False
+    for c in chars:
+        if c in "aAsS":
+            shown = True
+        elif c == "N":
+            shown = False
+    return shown
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips counted by reason, one line each, when -r leaves them out (scripts/test.sh does:
+    on a CPU machine the CUDA tests' skips, listed by place, ran to about 60 lines)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or _shows_skips(config.option.reportchars):
+        return
+    counts = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        counts[reason] = counts.get(reason, 0) + 1
+    terminalreporter.section("skipped, by reason")
+    for reason, n in sorted(counts.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{n:5d} {reason}")

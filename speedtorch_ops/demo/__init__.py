@@ -1,6 +1,9 @@
 """The main job: skip-gram with negative sampling, the embedding tables and their optimizer state
-in pinned host memory (the GPU holds only the batch), trained through the SpeedTorch-compatible
-factories, on an embedded corpus with planted structure.
+in host memory (pinned on a GPU machine, where the GPU holds only a batch's rows and a row cache),
+on an embedded corpus with planted structure. On a GPU both tables train as one
+speedtorch_ops.HostEmbeddingCollection with a GPU row cache, its step captured in a CUDA graph
+(--engine collection, the default there; --graph); on the CPU through the SpeedTorch-compatible
+factories, ModelFactory and OptimizerFactory (--engine factories, the default there).
 
 The corpus is generated deterministically: the vocabulary is split into clusters of
 --cluster-size words; each sentence draws most of its words from one cluster and the rest from

@@ -17,7 +17,8 @@ from .train import (DTYPES, OPTIMIZERS, resolve_switching, train_all_on_gpu, tra
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=DOC, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m speedtorch_ops.demo", description=DOC,
+                                formatter_class=argparse.RawTextHelpFormatter)
     _workload_args(p)
     _engine_args(p)
     return p
