@@ -54,7 +54,7 @@ from .training.checkpoint import load_rows, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
 from .training.cache import cache_slots, check_cache_bytes
 from .training.placement import resolve_dtype, upload
-from .training.plan import _INTEGER, Plan, check_bounds_mode
+from .training.plan import _INTEGER, check_bounds_mode
 
 _POOLING = ("sum", "mean", "none")
 

@@ -31,7 +31,7 @@ from .host_rows import Distinct, HostRows, Stat
 from .lookup import GradTail, guard, lookup
 from .optim_state import RowLayout
 from .plan import Plan, check_bounds_mode
-from .table import HostTable, check_state_dtype, normal_init, state_dtype_for
+from .table import HostTable, check_state_dtype, state_dtype_for
 from .update import ROUNDING_STATE, RowUpdate
 
 
@@ -92,9 +92,10 @@ class RowEngine:
     """
 
     def __init__(self, rows: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 optimizer_cls: type, optimizer_kwargs: dict, *, options: RowOptions = None,
-                 state_dtype=None, cache_bytes: int = 0, bounds_check: str = "raise",
-                 rounding: Optional[bool] = None, weight: Optional[Tensor] = None):
+                 optimizer_cls: type, optimizer_kwargs: dict, *,
+                 options: Optional[RowOptions] = None, state_dtype=None, cache_bytes: int = 0,
+                 bounds_check: str = "raise", rounding: Optional[bool] = None,
+                 weight: Optional[Tensor] = None):
         check_bounds_mode(bounds_check)
         self.rows, self.dim, self.bounds_check = rows, dim, bounds_check
         self.options = options or RowOptions()
