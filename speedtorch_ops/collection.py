@@ -50,7 +50,6 @@ from .eager import compile_eagerly, eager
 from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
-from .training.checkpoint import load_rows, save_rows
 from .training.table import FLOATING, check_state_dtype, normal_init
 from .training.cache import cache_slots, check_cache_bytes
 from .training.placement import resolve_dtype, upload
@@ -145,13 +144,6 @@ class _Group(HostEmbedding):
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         pass
-
-    def save_rows(self, destination: dict) -> None:
-        save_rows(self.engine, destination)
-
-    def load_rows(self, state_dict: dict, missing: list, unexpected: list,
-                  errors: list) -> None:
-        load_rows(self.engine, state_dict, "", missing, unexpected, errors)
 
 
 @dataclass

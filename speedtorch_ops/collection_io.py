@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from .training.checkpoint import same_view
+from .training.checkpoint import load_rows, same_view, save_rows
 from .training.update import OPTIONAL_STATE, ROUNDING_STATE
 
 
@@ -17,7 +17,7 @@ def save_collection(coll, destination: dict, prefix: str) -> None:
     """Every table's entries of collection `coll` under `prefix`: views of its group's."""
     for g, group in enumerate(coll.groups):
         whole: dict = {}
-        group.save_rows(whole)
+        save_rows(group.engine, whole)
         for k in coll.tables_of(g):
             place = coll.place(k)
             for key, value in whole.items():
@@ -75,7 +75,7 @@ def _gather_group(coll, g: int, state_dict: dict, prefix: str, missing_keys: lis
     """Group `g`'s entries gathered from its tables' (its scalars: the first table's)."""
     group = coll.groups[g]
     whole: dict = {}
-    group.save_rows(whole)  # the group's keys and their current tensors (flushed)
+    save_rows(group.engine, whole)  # the group's keys and their current tensors (flushed)
     mine = coll.tables_of(g)
     optional_keys = {f"optimizer.{key}" for key in OPTIONAL_STATE}
     gathered = {}
@@ -116,7 +116,7 @@ def load_collection(coll, state_dict: dict, prefix: str, missing_keys: list,
         return  # nothing loaded
     for group, gathered in zip(coll.groups, loads):
         if gathered:
-            group.load_rows(gathered, [], [], error_msgs)
+            load_rows(group.engine, gathered, "", [], [], error_msgs)
 
 
 class CheckpointNames:

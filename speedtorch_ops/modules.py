@@ -143,7 +143,7 @@ class _HostRowsModule(nn.Module):
                                 optimizer, dict(optimizer_kwargs or {}), options=options,
                                 state_dtype=state_dtype, cache_bytes=cache_bytes,
                                 bounds_check=bounds_check, rounding=stochastic_rounding,
-                                weight=_weight)
+                                weight=_weight, name=type(self).__name__)
         self.engine.frozen = bool(_freeze)
 
     padding_idx = _option("padding_idx", "nn's padding row (never updated), or None.")
@@ -251,9 +251,6 @@ class _HostRowsModule(nn.Module):
         """Update the rows the last forward touched (and their optimizer state) with their
         gradients, and commit them to the cache or the host table. A frozen module has
         nothing to update: its step() does nothing."""
-        if self.engine.staged is None and not self.frozen:
-            raise RuntimeError(f"{type(self).__name__}.step(): no forward (in training mode, "
-                               "with grad enabled) since the last step")
         self.engine.step()
 
     @eager

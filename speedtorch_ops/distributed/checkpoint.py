@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import optim
+from ..training.checkpoint import load_rows, save_rows
 from .exchange import agree, local_rows
 
 FORMAT = 1
@@ -230,7 +231,7 @@ COLLECTION = "ShardedEmbeddingBagCollection"
 def _group_places(group) -> tuple:
     """(places of the per-row entries in the group's rows, the group's scalars)."""
     whole: dict = {}
-    group.save_rows(whole)
+    save_rows(group.engine, whole)
     return split_state(group, whole)
 
 
@@ -288,7 +289,7 @@ def load_collection(ebc, directory: str) -> None:
     agree(ebc.route_group, error, [])
     errors: list = []
     for group, state in loads:
-        group.load_rows(state, errors, errors, errors)  # none: tables and places match
+        load_rows(group.engine, state, "", errors, errors, errors)  # none: tables, places match
     if errors:
         raise RuntimeError(f"directory: {errors}")
 

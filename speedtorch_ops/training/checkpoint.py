@@ -4,9 +4,10 @@ table (no copy) and loaded with every entry checked before any is written."""
 
 from __future__ import annotations
 
-from torch import Tensor
+from typing import Optional
 
 import torch
+from torch import Tensor
 
 from .update import OPTIONAL_STATE, ROUNDING_STATE, STARTED
 
@@ -45,10 +46,11 @@ def _expected(engine, state_dict: dict, prefix: str) -> tuple:
 
 
 def check_rows(engine, state_dict: dict, prefix: str, missing_keys: list,
-               unexpected_keys: list) -> tuple:
+               unexpected_keys: list, expected: Optional[tuple] = None) -> tuple:
     """(the entries of `state_dict` under `prefix` that `engine` would load, the errors that
-    keep it from loading any); the missing and unexpected keys added to those lists."""
-    tables, _, expected = _expected(engine, state_dict, prefix)
+    keep it from loading any); the missing and unexpected keys added to those lists.
+    `expected`: ``_expected``'s result, when the caller has it."""
+    tables, _, expected = expected or _expected(engine, state_dict, prefix)
     optional = {f"optimizer.{key}" for key in ROUNDING_STATE}  # never unexpected
     # Only this table's keys: missing_keys and error_msgs are the whole model's, and nn
     # passes strict=True here whatever the caller asked (it judges strict itself).
@@ -75,12 +77,14 @@ def load_rows(engine, state_dict: dict, prefix: str, missing_keys: list,
               unexpected_keys: list, error_msgs: list) -> None:
     """`engine`'s entries from `state_dict` (nn's ``_load_from_state_dict`` contract): every
     entry checked first; an error loads nothing of this table."""
-    present, errors = check_rows(engine, state_dict, prefix, missing_keys, unexpected_keys)
+    expected = _expected(engine, state_dict, prefix)
+    present, errors = check_rows(engine, state_dict, prefix, missing_keys, unexpected_keys,
+                                 expected)
     if errors or not present:
         error_msgs.extend(errors)
         return  # nothing of this table written
     engine.discard()
-    tables, scalars, _ = _expected(engine, state_dict, prefix)
+    tables, scalars, _ = expected
     # A state_dict of this table loaded in place (DCP, load_safetensors) is the table itself:
     # nothing to copy, and the cached rows must not be flushed over it.
     in_place = {name for name in present if name in tables

@@ -80,6 +80,7 @@ class RowEngine:
         bounds_check: "raise" or "prechecked", for ids already on the GPU.
         rounding: stochastic rounding of 16-bit stores (None: on where a field is 16-bit).
         weight: initial weights (rows, dim), else normal(0, 1) with the padding row zero.
+        name: the owner its errors name (a front-end's class).
 
     Example::
 
@@ -95,8 +96,9 @@ class RowEngine:
                  optimizer_cls: type, optimizer_kwargs: dict, *,
                  options: Optional[RowOptions] = None, state_dtype=None, cache_bytes: int = 0,
                  bounds_check: str = "raise", rounding: Optional[bool] = None,
-                 weight: Optional[Tensor] = None):
+                 weight: Optional[Tensor] = None, name: str = "RowEngine"):
         check_bounds_mode(bounds_check)
+        self.name = name  # the owner its messages name
         self.rows, self.dim, self.bounds_check = rows, dim, bounds_check
         self.options = options or RowOptions()
         self.state_setting = check_state_dtype(state_dtype, dtype)
@@ -226,8 +228,7 @@ class RowEngine:
         if self.spare_at < d.n:
             buf = buf.narrow(1, 0, self.spare_at + spare)
         try:
-            self.update.point_at(self.layout, buf)
-            self._tail = None
+            self._point_at(buf)
             pad_at, pad_in = self._find_padding(d)
             if self.options.max_norm is not None:
                 self._renorm()
@@ -330,8 +331,8 @@ class RowEngine:
         if staged is None:
             if self.frozen:
                 return
-            raise RuntimeError("step(): no forward (in training mode, with grad enabled) since "
-                               "the last step")
+            raise RuntimeError(f"{self.name}.step(): no forward (in training mode, with grad "
+                               "enabled) since the last step")
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             try:
                 self.update.check_capturable()
@@ -357,9 +358,13 @@ class RowEngine:
         self._point_at_nothing()
         self.steps += 1
 
-    def _point_at_nothing(self) -> None:
-        self.update.point_at(self.layout, self._no_rows)
+    def _point_at(self, buf: Tensor) -> None:
+        """The update's parameter and state become views of `buf`; a new step's gradient tail."""
+        self.update.point_at(self.layout, buf)
         self._tail = None
+
+    def _point_at_nothing(self) -> None:
+        self._point_at(self._no_rows)
 
     def discard(self) -> None:
         """Drop the rows a training forward staged, writing nothing. The dropped forward's
