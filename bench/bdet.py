@@ -396,8 +396,15 @@ def main():
     p.add_argument("--selfcheck", action="store_true",
                    help="the baseline's steps against float64 lazy Adam on tiny tables: on the "
                         "CPU, and through the graph on --device when it is a GPU")
+    p.add_argument("--prefetch-priority", type=int, default=None,
+                   help="with captured-prefetch: the priority of ours' prefetch streams "
+                        "(training.stores.PREFETCH_PRIORITY; 0: the step's own); default the "
+                        "library's")
     a = p.parse_args()
     device = torch.device(a.device)
+    if a.prefetch_priority is not None:
+        from speedtorch_ops.training import stores
+        stores.PREFETCH_PRIORITY = a.prefetch_priority
     if a.selfcheck:
         for d in [torch.device("cpu")] + ([device] if device.type == "cuda" and
                                           torch.cuda.is_available() else []):

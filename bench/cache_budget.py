@@ -11,7 +11,11 @@ and GPU peak memory; then two baselines with the whole tables on the GPU: the de
 (nn.Embedding(sparse=True) + SparseAdam, eager) and the captured all-on-GPU step (dense tables,
 Adam state and gradient buffer, the step one CUDA graph replay: CapturedAllOnGpu), the latter on
 the same batches and steps as the runs; and a pinned memcpy's rate (to say what the moved bytes
-cost at the link's best). Output: a table, cache_budget.json and cache_budget.png in --out.
+cost at the link's best). Each run's bound two ways: the larger of the every-row step and its
+bytes' link time with both directions at their memcpy rates at once (bound_ms: a full-duplex
+link), or as its loads and write-backs measured moving at once, by the stores' kernel under the
+run's SM caps (bound_shared_ms: random rows share one rate both ways, bench/link_duplex.py).
+Output: a table, cache_budget.json and cache_budget.png in --out.
 --selfcheck checks the captured baseline's step on the CPU against a float64 lazy Adam.
 
     python3 bench/cache_budget.py --vocab 4000000 --dim 128 --batch 8192 --budgets 0 300 600 1200 4000
@@ -29,9 +33,11 @@ import time
 import numpy as np
 import torch
 
+import speedtorch_ops as so
 from speedtorch_ops.demo.model import SkipGram, skipgram_loss
 from speedtorch_ops.demo.train import (DTYPES, ENGINES, OPTIMIZERS, CollectionTraining,
                                        train_all_on_gpu)
+from speedtorch_ops.training import stores
 
 from _workloads import add_skipgram_shape, lazy_adam_, skipgram_corpus
 
@@ -269,7 +275,7 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
     # Each direction's rows: loads (misses not carried, plus the prefetches' own), write-backs.
     delta = {k: sum(s1[k] - s0[k] for s0, s1 in zip(stats0, stats1))
              for k in ("host_loads", "prefetched_loads", "prefetched_rows", "evictions",
-                       "direct_writebacks")}
+                       "direct_writebacks", "deferred_loads")}
     row_bytes = run.embeddings[0].row_bytes
     loads = delta["host_loads"] - delta["prefetched_loads"] + delta["prefetched_rows"]
     backs = delta["evictions"] + delta["direct_writebacks"]
@@ -288,6 +294,9 @@ def run_budget(a, run, batches, device, budget_mb, mode="graph", overlap=True, l
             "slots_per_table": slots, "host_bytes_per_step": moved / a.steps,
             "load_bytes_per_step": loads * row_bytes / a.steps,
             "writeback_bytes_per_step": backs * row_bytes / a.steps,
+            # Rows a commit kept that the next stage staged again: loaded from the host and
+            # written back, though the device held them.
+            "restaged_kept_per_step": delta["deferred_loads"] / a.steps,
             "host_ms_per_step": 1e3 * statistics.median(host),
             "gpu_peak_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
@@ -309,11 +318,35 @@ def add_bounds(rows: list, all_on_gpu: float, gbps: float, back_gbps: float) -> 
                  ratio_to_bound=(1e3 / r["steps_per_s"]) / max(every_ms, link_ms))
 
 
+def add_shared_bounds(rows: list, table_rows: int, reps: int = 10) -> None:
+    """The bound on a link that carries loads and write-backs of random rows no faster
+    together than apart (bench/link_duplex.py measures it; docs/decisions.md, "The link's
+    two directions"): each run's loads and write-backs (rows a step) moved at once, on two
+    streams, by the stores' transfer kernel under the run's SM caps, over a pinned table of
+    the main job's span (`table_rows` rows of the run's row bytes): link_shared_ms;
+    bound_shared_ms = max(every-row step, that); ratio_to_shared_bound = step / that."""
+    from link_duplex import zero_copy_pair
+    tables = {}
+    for r in rows:
+        loads = round(r["load_bytes_per_step"] / r["row_bytes"])
+        backs = round(r["writeback_bytes_per_step"] / r["row_bytes"])
+        shared = 0.0
+        if loads and backs:
+            if r["row_bytes"] not in tables:  # the bytes matter, not the dtype
+                tables = {r["row_bytes"]: so.empty_pinned(
+                    (table_rows, 1, r["row_bytes"] // 4), torch.float32)}
+            shared = zero_copy_pair(tables[r["row_bytes"]], loads, backs,
+                                    r["lane_sms"] or 0, r["write_sms"] or 0, reps)[2]
+        bound = max(r["every_row_ms"], shared)
+        r.update(link_shared_ms=shared, bound_shared_ms=bound,
+                 ratio_to_shared_bound=(1e3 / r["steps_per_s"]) / bound)
+
+
 def sms_label(r) -> str:
     """The SM caps of a run: loads/write-backs with a cache; without one the prefetch's (-: no
     prefetch, 0: uncapped) and the commit's write-back's."""
-    if r["lane_sms"] is not None:
-        return f"{r['lane_sms']}/{r['write_sms']}"
+    if r["lane_sms"] is not None:  # with the transfer streams' priority
+        return f"{r['lane_sms']}/{r['write_sms']} p{r.get('prefetch_priority', 0)}"
     if r["write_sms"] is None:  # a cache without its lane: no caps
         return "-"
     return f"{'-' if r['ahead_sms'] is None else r['ahead_sms']}/{r['write_sms']}"
@@ -397,6 +430,11 @@ def main() -> None:
                    help="with a cache: the caches' admission rule "
                         "(speedtorch_ops.training.cache.CachedRows); several: one run each, in "
                         "this order (a rule named twice runs twice)")
+    p.add_argument("--prefetch-priority", type=int, nargs="+",
+                   default=[stores.PREFETCH_PRIORITY],
+                   help="the priority of the stores' prefetch streams (training.stores."
+                        "PREFETCH_PRIORITY; 0: the step's own, -1: above it); several: one run "
+                        "each")
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batches", type=int, default=200, help="distinct pre-drawn batches, cycled")
@@ -406,6 +444,8 @@ def main() -> None:
                    help="skip the demo's baseline (nn.Embedding(sparse=True) + SparseAdam)")
     p.add_argument("--no-captured-baseline", action="store_true",
                    help="skip the captured all-on-GPU step (CapturedAllOnGpu)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="only draw the plot of an earlier run's cache_budget.json (into --out)")
     p.add_argument("--selfcheck", action="store_true",
                    help="only check the captured baseline's step on the CPU (tiny sizes) "
                         "against a float64 lazy Adam, and exit")
@@ -413,6 +453,11 @@ def main() -> None:
     a = p.parse_args()
     if a.selfcheck:
         return selfcheck()
+    if a.replot:
+        with open(a.replot) as f:
+            result = json.load(f)
+        os.makedirs(a.out, exist_ok=True)
+        return plot(result, os.path.join(a.out, "cache_budget.png"))
     device = torch.device("cuda", torch.cuda.current_device())
     corpus = skipgram_corpus(a)
     batches = [corpus.batch(a.batch, a.negatives) for _ in range(a.batches)]
@@ -423,11 +468,13 @@ def main() -> None:
         # The SM caps are each run's (run_budget): the engine starts with its stores' own.
         run = ENGINES[a.engine](argparse.Namespace(**{**vars(a), "lane_sms": None,
                                                       "write_sms": None}), device)
-        for b in a.budgets:
+        for b, priority in itertools.product(a.budgets, a.prefetch_priority):
+            # Read when a store is made: run_budget makes the caches anew.
+            stores.PREFETCH_PRIORITY = priority
             for mode, overlap, sms, admission, write_sms in settings(a, b):
                 rows.append({**run_budget(a, run, batches, device, b, mode, overlap, sms,
                                           admission, write_sms),
-                             "dtype": dtype, "engine": a.engine,
+                             "dtype": dtype, "engine": a.engine, "prefetch_priority": priority,
                              "row_bytes": run.embeddings[0].row_bytes})
                 print(rows[-1], flush=True)
         if a.profile is not None and dtype == a.dtypes[0]:
@@ -453,6 +500,9 @@ def main() -> None:
     gbps = memcpy_gbps(device)
     back_gbps = memcpy_gbps(device, back=True)
     add_bounds(rows, captured["steps_per_s"], gbps, back_gbps)
+    # The engine's host table: both tables in one (the collection's; the module engine's two
+    # tables each span half of it, which the link's row rate favours).
+    add_shared_bounds(rows, 2 * a.vocab)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "args": {k: v for k, v in vars(a).items()}, "memcpy_gbps": gbps,
@@ -465,49 +515,59 @@ def main() -> None:
           f"memcpy {gbps:.1f} GB/s; whole tables on the GPU: SparseAdam {base:.1f} steps/s "
           f"({base_peak:,.0f} MiB), the captured all-on-GPU step {captured['steps_per_s']:.1f} "
           f"steps/s ({captured['gpu_peak_mb']:,.0f} MiB)")
-    print(f"{'dtype':>8} {'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>5} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
-          f"{'MB/step':>8} {'at memcpy ms':>12} {'bound ms':>8} {'x bound':>7} {'host ms':>8} {'GPU MiB':>8}")
+    print(f"{'dtype':>8} {'budget MiB':>10} {'mode':>8} {'overlap':>7} {'SMs':>9} {'admit':>9} {'steps/s':>8} {'x sparse':>8} {'x capt':>7} {'hit':>6} {'oracle':>6} "
+          f"{'MB/step':>8} {'at memcpy ms':>12} {'bound ms':>8} {'x bound':>7} {'shared ms':>9} {'x shared':>8} {'host ms':>8} {'GPU MiB':>8}")
     for r in rows:
-        print(f"{r['dtype']:>8} {r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>5} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
+        print(f"{r['dtype']:>8} {r['budget_mb']:>10.0f} {r['mode']:>8} {str(r['overlap']):>7} {sms_label(r):>9} {str(r['admission'] or '-'):>9} {r['steps_per_s']:>8.1f} {r['x_sparse_adam']:>8.2f} {r['x_captured_all_on_gpu']:>7.2f} "
               f"{r['hit_rate']:>6.3f} {r['oracle_hit_rate']:>6.3f} "
               f"{r['host_bytes_per_step'] / 1e6:>8.1f} "
               f"{r['host_bytes_per_step'] / gbps / 1e6:>12.2f} {r['bound_ms']:>8.3f} "
-              f"{r['ratio_to_bound']:>7.2f} {r['host_ms_per_step']:>8.2f} "
+              f"{r['ratio_to_bound']:>7.2f} {r['bound_shared_ms']:>9.3f} "
+              f"{r['ratio_to_shared_bound']:>8.2f} {r['host_ms_per_step']:>8.2f} "
               f"{r['gpu_peak_mb']:>8.0f}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "cache_budget.json"), "w") as f:
         json.dump(result, f, indent=1)
+    plot(result, os.path.join(a.out, "cache_budget.png"))
+
+
+def plot(result: dict, path: str) -> None:
+    """The runs of `result` (cache_budget.json) against the budget, with each dtype's two bounds
+    and the baselines: steps/s on a log budget axis (the budgets span two orders)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, overlap, admission, dtype in itertools.product(
-            a.modes, a.overlap, dict.fromkeys(a.admission), a.dtypes):
-        mine = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype and (
-            r["budget_mb"] == 0 or
-            r["overlap"] == (overlap == "on") and r["admission"] == admission)]
-        ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o",
-                label=f"{a.engine} {dtype} + GPU row cache ({mode}, overlap {overlap}, "
-                      f"admission {admission})")
-    for dtype in a.dtypes:
-        mine = sorted((r for r in rows if r["dtype"] == dtype and r["mode"] == a.modes[0]),
-                      key=lambda r: r["budget_mb"])
-        ax.plot([r["budget_mb"] for r in mine], [1e3 / r["bound_ms"] for r in mine], "-",
-                alpha=0.6, label=f"{dtype} bound: max(every-row step, duplex link time)")
-    ax.axhline(base, color="gray", ls="--", label="whole tables on the GPU (SparseAdam)")
-    ax.axhline(captured["steps_per_s"], color="black", ls=":",
+    rows, args = result["budgets"], result["args"]
+    fig, ax = plt.subplots(figsize=(7, 5.5))
+    for (mode, dtype), mine in itertools.groupby(
+            sorted(rows, key=lambda r: (r["mode"], r["dtype"], r["budget_mb"])),
+            key=lambda r: (r["mode"], r["dtype"])):
+        mine = [r for r in mine if r["budget_mb"] > 0]
+        line, = ax.plot([r["budget_mb"] for r in mine], [r["steps_per_s"] for r in mine], "o-",
+                        label=f"{args['engine']} {dtype} + GPU row cache ({mode})")
+        ax.plot([r["budget_mb"] for r in mine], [1e3 / r["bound_ms"] for r in mine], ":",
+                color=line.get_color(), alpha=0.7,
+                label=f"{dtype} bound: every-row step, both directions at memcpy rate at once")
+        if "bound_shared_ms" in mine[0]:
+            ax.plot([r["budget_mb"] for r in mine], [1e3 / r["bound_shared_ms"] for r in mine],
+                    "--", color=line.get_color(), alpha=0.7,
+                    label=f"{dtype} bound: every-row step, loads and write-backs measured at once")
+    if result.get("baseline_steps_per_s") == result.get("baseline_steps_per_s"):  # not NaN
+        ax.axhline(result["baseline_steps_per_s"], color="gray", ls="--",
+                   label="whole tables on the GPU (SparseAdam)")
+    ax.axhline(result["captured_baseline_steps_per_s"], color="black", ls="-.",
                label="whole tables on the GPU (the captured step, fused Adam)")
+    ax.set_xscale("log")
     ax.set_xlabel("GPU row cache, both tables (MiB)")
     ax.set_ylabel("steps/s")
-    ax.set_title(f"{a.corpus} skip-gram, {a.vocab:,} x {a.dim} x 2 + {a.optimizer}, "
-                 f"{result['gpu']}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_title(f"{args['corpus']} skip-gram, {args['vocab']:,} x {args['dim']} x 2 + "
+                 f"{args['optimizer']}, {result['gpu']}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "cache_budget.png"), dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

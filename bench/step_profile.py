@@ -135,7 +135,7 @@ def gaps(work: list, steps: int, top: int = 12) -> dict:
 
 def short_name(name: str) -> str:
     """A kernel's name without template arguments and namespaces."""
-    base = re.sub(r"<.*", "", name.split("(")[0])
+    base = re.sub(r"<.*", "", name.replace("(anonymous namespace)::", "").split("(")[0])
     return base.split("::")[-1][:48] or name[:48]
 
 
@@ -277,6 +277,12 @@ def main() -> None:
         {"op": o.key, "shapes": str(o.input_shapes)[:120], "count_per_step": o.count / a.steps,
          "gpu_us_per_step": o.device_time_total / a.steps}
         for o in sorted(ops, key=lambda o: -o.device_time_total)[:a.top]]
+    # One eager step alone: its streams are the stores' own (the step's, the lane, the
+    # prefetch's side stream, the books), where a replay's are the graph's.
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps(run, a.warmup + a.steps, 1)
+        torch.cuda.synchronize()
+    result["eager_timeline"] = timeline(prof)
     print(json.dumps(result, indent=1))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "step_profile.json"), "w") as f:

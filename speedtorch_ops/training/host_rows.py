@@ -35,7 +35,7 @@ from torch.profiler import record_function
 
 from .. import ops
 from .plan import Plan
-from .stores import on_stream, wait_for
+from .stores import on_stream, prefetch_stream, wait_for
 
 _NO_WAIT = "prechecked"  # plans check host ids before any op runs
 
@@ -203,7 +203,7 @@ class HostRows:
         self._kept: Optional[Tensor] = None  # a CPU store's stage buffer (_stage_buffer)
         self.stats = torch.zeros(len(Stat), dtype=torch.int64, device=self.device)  # see Stat
         self._carry: Optional[Carry] = None
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._side = prefetch_stream(self.device)
         self._ahead_done = None  # the event after the last prefetch's transfer
         self._ahead_planned = None  # the event after it read the cache's map (see prefetch)
         self._ahead_captured = False  # that event belongs to a CUDA graph capture

@@ -85,6 +85,25 @@ def wait_for(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+# The priority of a prefetch's side stream, which loads the next step's rows beside this
+# step's backward and update: higher than the step's own. Its kernels are capped to a few SMs;
+# at the step's priority the block scheduler handed the SMs to the backward's and the update's
+# large grids first, and the loads waited with the link idle. A CUDA graph keeps the priority
+# its kernels were captured with (torch instantiates graphs to use each node's priority). A
+# cache's lane stays at the step's priority: raised too, it added little to the main job and
+# the public benchmark's step, whose lane runs without a prefetch, took longer
+# (docs/decisions.md, "The prefetch's stream priority").
+PREFETCH_PRIORITY = -1
+
+
+def prefetch_stream(device: torch.device) -> Optional["torch.cuda.Stream"]:
+    """A new side stream for a prefetch on `device` (None off a GPU), at
+    ``PREFETCH_PRIORITY``."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device, priority=PREFETCH_PRIORITY)
+
+
 @contextlib.contextmanager
 def on_stream(stream: Optional["torch.cuda.Stream"], device: torch.device, *used: Tensor):
     """Work queued inside runs on `stream` (a store's side stream), after everything queued

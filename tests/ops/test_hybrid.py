@@ -429,6 +429,7 @@ def test_narrow_rows_of_a_huge_table_load_through_the_cpu(huge_tables, row_float
     src = random_rows((70000, row_floats), torch.float32, gen).cuda()
     ref = last_wins_reference(data, wb, src)
     speedtorch_ops.optimizer_state_swap([table], [src], wb, index)
+    torch.cuda.synchronize()  # a CUDA index writes the pinned table from the GPU, unsynchronized
     assert torch.equal(table, ref) and torch.equal(src.cpu(), ref[index.cpu()])
     # a write-back alone (through the CPU side alone, whatever the index's device)
     src = random_rows((70000, row_floats), torch.float32, gen).cuda()

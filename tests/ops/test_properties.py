@@ -65,6 +65,8 @@ def test_scatter_property(case, accumulate):
     src = random_rows((n, *case["row_shape"]), case["dtype"], case["g"])
     dev = _device(case["store"])
     speedtorch_ops.pinned_scatter(table, case["index"].to(dev), src.to(dev), accumulate)
+    if dev.type == "cuda":  # a pinned table is written from the GPU; the op does not wait for it
+        torch.cuda.synchronize()
     if accumulate:
         if n > 60:  # the sequential reference is slow in Python; a float64 one instead
             if case["dtype"] in (torch.float16, torch.bfloat16, torch.bool) or not (
