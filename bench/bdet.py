@@ -250,7 +250,7 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
         out = ebc(kjt)
         if ahead is not None:  # the next batch's rows load during this step's backward
             ebc.prefetch(ahead)
-        torch.autograd.backward([out[k] for k in keys], grads)
+        torch.autograd.backward([out[k].values() for k in keys], grads)
         ebc.step()
         return ()
 

@@ -1,6 +1,7 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: sets up a fresh machine (idempotent).
 # - Debian's cmake and catch2 for the C++ tests (installed with apt-get when missing)
-# - a virtual environment in .venv with the pinned Python packages (requirements-dev.txt)
+# - a virtual environment in .venv with the pinned Python packages (requirements-dev.txt; with
+#   SPEEDTORCH_OPS_INTEROP=1 the TorchRec extra too, requirements-interop.txt)
 # - the extension built from source against that torch (CUDA kernels too when nvcc is found and
 #   a GPU is present, or SPEEDTORCH_OPS_WITH_CUDA=1), again only when its sources or build
 #   settings changed, and then only what changed
@@ -22,6 +23,12 @@ if [ ! -x "$PY" ]; then
 fi
 if ! "$PY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt; then
   echo "pip could not install requirements-dev.txt" >&2
+  exit 1
+fi
+# The optional TorchRec extra (its interop tests skip without it); CI asks for it.
+if [ "${SPEEDTORCH_OPS_INTEROP:-0}" = 1 ] &&
+    ! "$PY" -m pip install -q --disable-pip-version-check --no-deps -r requirements-interop.txt; then
+  echo "pip could not install requirements-interop.txt" >&2
   exit 1
 fi
 

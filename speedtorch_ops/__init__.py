@@ -23,8 +23,10 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from .modules import HostEmbedding, HostEmbeddingBag, clip_grad_norm_, count_parameters
 from .capture import CapturedStep
-from .collection import HostEmbeddingBagCollection, HostEmbeddingCollection, TableConfig
+from .collection import HostEmbeddingBagCollection, HostEmbeddingCollection
+from .table_config import TableConfig
 from .jagged import KeyedJaggedTensor
+from .keyed import JaggedTensor, KeyedTensor
 from . import optim
 from .optim import PartialRowWiseAdam, RowWiseAdagrad
 from . import io
@@ -65,6 +67,8 @@ __all__ = [
     "HostEmbeddingCollection",
     "TableConfig",
     "KeyedJaggedTensor",
+    "KeyedTensor",
+    "JaggedTensor",
     "optim",
     "PartialRowWiseAdam",
     "RowWiseAdagrad",

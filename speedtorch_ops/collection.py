@@ -6,7 +6,8 @@
               TableConfig("item", 1_000_000, 128, pooling="mean", feature_names=["item", "seen"])]
     ebc = HostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
                                      optimizer_kwargs={"lr": 1e-3}, cache_bytes=2**30)
-    out = ebc(KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))  # {feature: (B, D)}
+    out = ebc(KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))  # a KeyedTensor
+    out["user"]  # (B, 128); out.values(): (B, 384), features side by side
     loss.backward(); ebc.step()
 
 Tables of one width are one table underneath (a ``HostEmbedding`` of their rows stacked, each
@@ -22,9 +23,11 @@ bags and each feature's ids follow from them) and, for a collection built
 ``is_weighted=True``, ``weights()`` (per-sample weights of sum-pooled features; ignored
 otherwise, as TorchRec's), TorchRec's
 ``KeyedJaggedTensor`` or ``speedtorch_ops.KeyedJaggedTensor``; keys the collection does not
-know are ignored, a feature it needs and does not find raises. It returns a dict from feature
-name to ``(stride, D)`` (pooled; an empty bag gives zeros) or ``(ids of the feature, D)``
-(``pooling="none"``). Ids are checked per feature against its table's rows (host ids on the
+know are ignored, a feature it needs and does not find raises. It returns TorchRec's types
+(``keyed.py``): with every feature pooled a ``KeyedTensor`` of ``(stride, D)`` per feature (an
+empty bag gives zeros); otherwise a dict by feature of a ``JaggedTensor`` (``values()``: the
+feature's ids' rows, ``lengths()``: its samples') for each ``pooling="none"`` feature and a
+``(stride, D)`` tensor for each pooled one. Ids are checked per feature against its table's rows (host ids on the
 host; ids on the GPU with one wait unless ``bounds_check="prechecked"``): a bad id raises naming
 the feature and nothing is written.
 
@@ -38,8 +41,8 @@ group's rounding seed and counter, are its group's); ``step()``,
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from dataclasses import dataclass
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,69 +51,14 @@ from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
 from .jagged import JaggedBatch, per_key_mismatch, read_batch
+from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
-from .training.table import FLOATING, check_state_dtype, normal_init
+from .table_config import TableConfig, table_configs
+from .training.table import check_state_dtype, normal_init
 from .training.cache import cache_slots, check_cache_bytes
 from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, check_bounds_mode
-
-_POOLING = ("sum", "mean", "none")
-
-
-@dataclass(frozen=True)
-class TableConfig:
-    """One table of a collection (TorchRec's ``EmbeddingBagConfig``, in short).
-
-    Args:
-        name: the table's name (its ``state_dict`` keys start with it; no ".").
-        num_embeddings, embedding_dim: its rows and their width.
-        pooling: "sum", "mean" or "none" (every id's row), for HostEmbeddingBagCollection;
-            HostEmbeddingCollection never pools.
-        feature_names: the batch's keys that look this table up (default: ``[name]``); a
-            single string is one feature name (TorchRec's config takes a list only).
-        dtype: the table's weights' dtype (default: the collection's).
-        state_dtype: its optimizer state's dtype (default: the collection's; None: the
-            weights'), as HostEmbedding's ``state_dtype``.
-
-    Example::
-
-        TableConfig("item", 1_000_000, 64, pooling="mean", feature_names=["item", "seen"],
-                    dtype=torch.bfloat16)
-    """
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    pooling: str = "sum"
-    feature_names: Sequence[str] = field(default_factory=tuple)
-    dtype: Optional[torch.dtype] = None
-    state_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name or "." in self.name:
-            raise ValueError(f"TableConfig.name must be a non-empty string without '.', got "
-                             f"{self.name!r}")
-        for key in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TableConfig {self.name!r}: {key} must be a positive int, got "
-                                 f"{value!r}")
-        if self.pooling not in _POOLING:
-            raise ValueError(f"TableConfig {self.name!r}: pooling must be one of {_POOLING}, got "
-                             f"{self.pooling!r}")
-        given = self.feature_names
-        # A string is one name: iterating it would make a feature of each of its letters.
-        names = (given,) if isinstance(given, str) else tuple(given) or (self.name,)
-        if any(not isinstance(f, str) or not f for f in names):
-            raise ValueError(f"TableConfig {self.name!r}: feature_names must be non-empty "
-                             f"strings, got {self.feature_names!r}")
-        object.__setattr__(self, "feature_names", names)
-        for key in ("dtype", "state_dtype"):
-            value = getattr(self, key)
-            if value is not None and value not in FLOATING:
-                raise TypeError(f"TableConfig {self.name!r}: {key} must be a floating dtype "
-                                f"(float16, bfloat16, float32, float64) or None, got {value!r}")
-
 
 def _kind(t: TableConfig, dtype, state_dtype) -> tuple:
     """(width, dtype, state dtype setting) of table `t`: the tables of one kind share a group.
@@ -271,8 +219,9 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
             float32 (TorchRec's; cast to the table's); False, a batch's weights are ignored, as
             TorchRec's ``EmbeddingBagCollection`` ignores them.
 
-    Returns (forward): ``{feature: (stride, D)}`` for pooled tables, ``(ids of the feature,
-    D)`` for ``pooling="none"``, in the order of the tables' features.
+    Returns (forward): a ``KeyedTensor`` (``kt["f"]``: ``(stride, D)``; ``values()``: the
+    features side by side, in the order of the tables' features) when every table pools; else
+    a dict by feature: a ``JaggedTensor`` for ``pooling="none"``, ``(stride, D)`` otherwise.
 
     Example::
 
@@ -295,9 +244,7 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         # tables' (a sharded group's padding row).
         super().__init__()
         compile_eagerly(type(self))
-        tables = list(tables)
-        if not tables or any(not isinstance(t, TableConfig) for t in tables):
-            raise TypeError("tables must be a non-empty list of speedtorch_ops.TableConfig")
+        tables, inits = table_configs(tables)  # inits: TorchRec's, run once the tables exist
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"tables: table names must be distinct, got {names}")
@@ -338,6 +285,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         elif cache_bytes:
             self.set_cache_bytes(cache_bytes)
         self._register_counts()
+        if inits:
+            self.reset_parameters(inits)
 
     def _register_counts(self) -> None:
         """Per table (lookups, hits) of distinct rows, counted on the device (a captured step
@@ -434,7 +383,7 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         return rows, d.inverse, pick
 
     @eager
-    def forward(self, features) -> Dict[str, Tensor]:
+    def forward(self, features):
         return self._forward(self._prepare(features))
 
     def _forward(self, p: Prepared) -> dict:
@@ -479,7 +428,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
                 # sizes, not a split size: a split of size 0 gives no piece at all
                 for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece
-        return {f.name: outputs[f.name] for f in self.features}
+        return collection_outputs(self.features, outputs, p.lengths, p.stride,
+                                  {name: span.key for name, span in p.at.items()})
 
     def _count(self, g: int, d) -> None:
         """Add a stage's distinct rows of group `g`, and the cache's hits among them, to their
@@ -653,7 +603,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
 
 class HostEmbeddingCollection(HostEmbeddingBagCollection):
     """Every id's row, no pooling (TorchRec's EmbeddingCollection): ``forward`` returns
-    ``{feature: (ids of the feature, D)}``; the tables' ``pooling`` is not used.
+    ``{feature: JaggedTensor}`` (``values()``: ``(ids of the feature, D)``, ``lengths()``: the
+    feature's samples'); the tables' ``pooling`` is not used.
 
     Args:
         tables, optimizer, optimizer_kwargs, device, cache_bytes, bounds_check, dtype,
@@ -666,7 +617,7 @@ class HostEmbeddingCollection(HostEmbeddingBagCollection):
                                      optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1},
                                      cache_bytes=8 << 30)
         out = ec(KeyedJaggedTensor.from_lengths_sync(["t0"], ids, torch.ones_like(ids)))
-        out["t0"].backward(grad); ec.step()
+        out["t0"].values().backward(grad); ec.step()
     """
 
     _pooled = False

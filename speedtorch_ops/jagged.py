@@ -14,6 +14,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .keyed import JaggedTensor
+
 
 class KeyedJaggedTensor:
     """Jagged ids of several features (see the module docstring).
@@ -145,6 +147,112 @@ class KeyedJaggedTensor:
                 raise ValueError(f"lengths sum to {sum(self._length_per_key)}, values hold "
                                  f"{len(self._values)} ids")
         return self._length_per_key
+
+    def lengths_or_none(self) -> Tensor:
+        return self._lengths
+
+    def offsets_or_none(self) -> Tensor:
+        return self._offsets
+
+    def stride_per_key(self) -> List[int]:
+        return [self._stride] * len(self._keys)
+
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def inverse_indices_or_none(self) -> None:
+        return None
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def sync(self) -> "KeyedJaggedTensor":
+        self.length_per_key()
+        return self
+
+    def offset_per_key(self) -> List[int]:
+        """Where each key's ids start in ``values()``, and their end (host ints)."""
+        out = [0]
+        for n in self.length_per_key():
+            out.append(out[-1] + n)
+        return out
+
+    def _key_slices(self):
+        """(key, its ids' slice of values, its samples' slice of lengths) for each key."""
+        ends, s = self.offset_per_key(), self._stride
+        for k, key in enumerate(self._keys):
+            yield key, slice(ends[k], ends[k + 1]), slice(k * s, (k + 1) * s)
+
+    def to_dict(self) -> Dict[str, JaggedTensor]:
+        """Each key's ids as a ``JaggedTensor`` (values, lengths and weights are views)."""
+        weights = self._weights
+        return {key: JaggedTensor(self._values[ids], None if weights is None else weights[ids],
+                                  lengths=self._lengths[samples])
+                for key, ids, samples in self._key_slices()}
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        if key not in self._keys:
+            raise KeyError(f"no key {key!r} (keys: {self._keys})")
+        return self.to_dict()[key]
+
+    def _with(self, keys, values, weights, lengths, length_per_key) -> "KeyedJaggedTensor":
+        return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=self._stride,
+                                 length_per_key=length_per_key)
+
+    def split(self, segments: Sequence[int]) -> List["KeyedJaggedTensor"]:
+        """Batches of the next ``segments[i]`` keys each, in order."""
+        if sum(segments) != len(self._keys) or any(n < 0 for n in segments):
+            raise ValueError(f"segments must be counts of keys summing to {len(self._keys)}, "
+                             f"got {list(segments)}")
+        parts, start = [], 0
+        for n in segments:
+            parts.append(self.permute(list(range(start, start + n))))
+            start += n
+        return parts
+
+    def permute(self, indices: Sequence[int]) -> "KeyedJaggedTensor":
+        """The keys at `indices`, in that order (each at most once; others left out)."""
+        jts, counts = self.to_dict(), self.length_per_key()
+        keys = [self._keys[i] for i in indices]
+        if not keys:
+            return KeyedJaggedTensor.empty(stride=self._stride, device=self.device())
+        pick = [jts[k] for k in keys]
+        weights = None if self._weights is None else torch.cat([j.weights() for j in pick])
+        return self._with(keys, torch.cat([j.values() for j in pick]), weights,
+                          torch.cat([j.lengths() for j in pick]), [counts[i] for i in indices])
+
+    @staticmethod
+    def concat(kjts: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """The keys of every batch of `kjts` (one stride) side by side."""
+        kjts = list(kjts)
+        if not kjts or len({k.stride() for k in kjts}) != 1:
+            raise ValueError("concat: one or more batches of one stride")
+        if len({k.weights_or_none() is None for k in kjts}) != 1:
+            raise ValueError("concat: every batch weighted, or none")
+        weights = None if kjts[0].weights_or_none() is None else torch.cat(
+            [k.weights() for k in kjts])
+        return kjts[0]._with([key for k in kjts for key in k.keys()],
+                             torch.cat([k.values() for k in kjts]), weights,
+                             torch.cat([k.lengths() for k in kjts]),
+                             [n for k in kjts for n in k.length_per_key()])
+
+    @staticmethod
+    def empty(stride: int = 0, device=None, values_dtype=torch.int64,
+              lengths_dtype=torch.int64) -> "KeyedJaggedTensor":
+        """A batch of no keys."""
+        return KeyedJaggedTensor([], torch.empty(0, dtype=values_dtype, device=device),
+                                 lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+                                 stride=stride, length_per_key=[])
+
+    def to(self, device, non_blocking: bool = False) -> "KeyedJaggedTensor":
+        move = (lambda t: None if t is None else t.to(device, non_blocking=non_blocking))
+        return self._with(self._keys, move(self._values), move(self._weights),
+                          move(self._lengths), self._length_per_key)
+
+    def pin_memory(self) -> "KeyedJaggedTensor":
+        pin = (lambda t: None if t is None else t.pin_memory())
+        return self._with(self._keys, pin(self._values), pin(self._weights), pin(self._lengths),
+                          self._length_per_key)
 
     def __repr__(self) -> str:
         return (f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "

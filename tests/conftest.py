@@ -30,6 +30,15 @@ def index_device(store: str) -> torch.device:
     return torch.device("cpu") if store == "cpu" else torch.device("cuda")
 
 
+def plain(out) -> dict:
+    """A collection's forward result as {feature: tensor}: a KeyedTensor's per-feature
+    tensors, a JaggedTensor's values (the references compare tensors)."""
+    if isinstance(out, speedtorch_ops.KeyedTensor):
+        return out.to_dict()
+    return {k: v.values() if isinstance(v, speedtorch_ops.JaggedTensor) else v
+            for k, v in out.items()}
+
+
 def random_rows(shape, dtype, generator=None) -> torch.Tensor:
     """Fresh random data, never all zeros."""
     if dtype == torch.bool:

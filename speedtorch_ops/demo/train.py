@@ -231,9 +231,9 @@ class CollectionTraining:
             self.ebc.prefetch(self._kjt(*following))
         b, d = labels.shape[0], self.a.dim
         # 16-bit rows: float32 math
-        loss = skipgram_loss(out["centre"].view(b, 1, d).float(),
-                             out["context"].view(b, 1, d).float(),
-                             out["negatives"].view(b, -1, d).float())
+        loss = skipgram_loss(out["centre"].values().view(b, 1, d).float(),
+                             out["context"].values().view(b, 1, d).float(),
+                             out["negatives"].values().view(b, -1, d).float())
         loss.backward()
         self.ebc.step()
         return loss.detach()

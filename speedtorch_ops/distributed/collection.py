@@ -4,7 +4,7 @@ collectives included):
 
     ebc = ShardedHostEmbeddingBagCollection(tables, optimizer=torch.optim.Adam,
                                             optimizer_kwargs={"lr": 1e-3}, cache_bytes=1 << 30)
-    out = ebc(kjt)              # collective: {feature: (stride, D)} as the single-process one
+    out = ebc(kjt)              # collective: a KeyedTensor, as the single-process one
     loss.backward()             # local
     ebc.step()                  # collective
 
@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..collection import HostEmbeddingBagCollection, TableConfig
+from ..collection import HostEmbeddingBagCollection
+from ..table_config import TableConfig
 from ..eager import eager
 from . import checkpoint, peer
 from .exchange import agree, backend_device, exchange, gather_cyclic, host_route_group, local_rows
@@ -323,7 +324,7 @@ class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
         return _Routed(index, received.to(self.device))
 
     @eager
-    def forward(self, features) -> dict:
+    def forward(self, features):
         prepared, sizes = self._agreed(features)  # raises before anything changes
         if self._peer is not None:
             self._peer_at = self._peer_layout(sizes)

@@ -9,6 +9,8 @@ from speedtorch_ops import (HostEmbeddingBagCollection, KeyedJaggedTensor, Parti
                             RowWiseAdagrad, TableConfig, clip_grad_norm_, count_parameters)
 from speedtorch_ops.distributed import ShardedHostEmbeddingBagCollection
 
+from conftest import plain
+
 F64 = torch.float64
 OPTIMIZERS = {
     "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
@@ -103,14 +105,14 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
             batches = [batch(tables, seed, step, r, 2 + r, empty=step == 1 and r == world - 1,
                              weighted=weighted) for r in range(world)]
             goals = [targets(tables, b, seed, step, r) for r, b in enumerate(batches)]
-            out = sharded(kjt(batches[rank], device))
+            out = plain(sharded(kjt(batches[rank], device)))
             if step == 0:  # the next batch's rows ahead: changes nothing but when rows load
                 nxt = batch(tables, seed, 1, rank, 2 + rank, empty=rank == world - 1,
                             weighted=weighted)
                 sharded.prefetch(kjt(nxt, device))
             loss_of(out, goals[rank]).backward()
             sharded.step()
-            ref_out = ref(kjt(concatenated(batches), "cpu"))
+            ref_out = plain(ref(kjt(concatenated(batches), "cpu")))
             for f, o in out.items():  # this rank's rows of the reference's output
                 at = sum(len(goals[r][f]) for r in range(rank))
                 assert torch.allclose(o.detach().cpu(), ref_out[f][at:at + len(o)].detach(),
@@ -123,8 +125,8 @@ def like_one_process(rank, world, device, seed, names, weighted=False, grad_scal
         ref.eval()
         batches = [batch(tables, seed, 9, r, 2, weighted=weighted) for r in range(world)]
         with torch.no_grad():
-            out, ref_out = sharded(kjt(batches[rank], device)), ref(kjt(concatenated(batches),
-                                                                           "cpu"))
+            out = plain(sharded(kjt(batches[rank], device)))
+            ref_out = plain(ref(kjt(concatenated(batches), "cpu")))
         goals = [targets(tables, b, seed, 9, r) for r, b in enumerate(batches)]
         for f, o in out.items():
             at = sum(len(goals[r][f]) for r in range(rank))
@@ -191,7 +193,7 @@ def bad_input_raises_everywhere(rank, world, device, seed, exchange="auto"):
     for key, value in before.items():
         assert torch.equal(after[key], value), key
     # A backward of an output whose step is over raises (nothing else notices it).
-    stale = sharded(kjt(batch(TABLES, seed, 5, rank, 2), device))
+    stale = plain(sharded(kjt(batch(TABLES, seed, 5, rank, 2), device)))
     sharded.discard()
     try:
         loss_of(stale, targets(TABLES, batch(TABLES, seed, 5, rank, 2), seed, 5, rank)).backward()
@@ -209,10 +211,10 @@ def bad_input_raises_everywhere(rank, world, device, seed, exchange="auto"):
         raise AssertionError("no error")
     batches = [batch(TABLES, seed, 1, r, 2) for r in range(world)]
     goals = [targets(TABLES, b, seed, 1, r) for r, b in enumerate(batches)]
-    out = sharded(kjt(batches[rank], device))
+    out = plain(sharded(kjt(batches[rank], device)))
     loss_of(out, goals[rank]).backward()
     sharded.step()
-    ref_out = ref(kjt(concatenated(batches), "cpu"))
+    ref_out = plain(ref(kjt(concatenated(batches), "cpu")))
     loss_of(ref_out, {f: torch.cat([t[f] for t in goals]) for f in ref_out}).backward()
     ref.step()
     assert_same_state(sharded, ref, ("after the errors", seed))
@@ -243,8 +245,8 @@ def captured_equals_eager(rank, world, device, seed, exchange):
         values = torch.cat([a, b])
         lengths = torch.cat([torch.full((stride,), per_bag, device=device),
                              torch.ones(stride, dtype=torch.int64, device=device)])
-        out = module(KeyedJaggedTensor("a b".split(), values, lengths=lengths,
-                                       length_per_key=[len(a), len(b)]))
+        out = plain(module(KeyedJaggedTensor("a b".split(), values, lengths=lengths,
+                                             length_per_key=[len(a), len(b)])))
         loss = (out["a"].pow(2).sum(1) - out["b"].sum(1)).pow(2).mean()
         loss.backward()
         module.step()
@@ -306,7 +308,7 @@ def _reference(seed, schedule, steps):
     for step in steps:
         batches = [batch(TABLES, seed, step, r, 2 + r) for r in range(schedule[step])]
         goals = [targets(TABLES, b, seed, step, r) for r, b in enumerate(batches)]
-        out = ref(kjt(concatenated(batches), "cpu"))
+        out = plain(ref(kjt(concatenated(batches), "cpu")))
         loss_of(out, {f: torch.cat([t[f] for t in goals]) for f in out}).backward()
         ref.step()
     return ref
@@ -329,7 +331,7 @@ def checkpoint_phase(rank, world, device, seed, schedule, load_from, save_to, st
         assert schedule[step] == world
         batches = [batch(TABLES, seed, step, r, 2 + r) for r in range(world)]
         goals = [targets(TABLES, b, seed, step, r) for r, b in enumerate(batches)]
-        out = sharded(kjt(batches[rank], device))
+        out = plain(sharded(kjt(batches[rank], device)))
         loss_of(out, goals[rank]).backward()
         sharded.step()
     assert_same_state(sharded, _reference(seed, schedule, range(steps[-1] + 1)),

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import speedtorch_ops as so
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, plain
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 OPTIMIZERS = {
@@ -155,7 +155,7 @@ def run_both(cfgs, name, device, gen, steps=3, pooled=True, weighted=False, **kw
     ref = LazyReference(cfgs, init, name)
     for _ in range(steps):
         kjt = batch(cfgs, gen, weighted=weighted, device=device)
-        out = ebc(kjt)
+        out = plain(ebc(kjt))
         targets = targets_for(out, gen)
         loss_of({k: v.cpu() for k, v in out.items()}, targets)  # shapes agree
         loss_of({k: v for k, v in out.items()}, {k: v.to(device) for k, v in targets.items()}
@@ -189,7 +189,7 @@ def test_per_table_counts(device, gen):
     want = {t.name: 0 for t in cfgs}
     for _ in range(3):
         kjt = batch(cfgs, gen, device=device)
-        out = ebc(kjt)
+        out = plain(ebc(kjt))
         sum(v.sum() for v in out.values()).backward()
         ebc.step()
         keys, stride, offsets = kjt.keys(), kjt.stride(), kjt.offsets().cpu()
@@ -273,7 +273,7 @@ def test_bad_ids_and_lengths_name_the_feature_and_write_nothing(device, gen):
     after = ebc.state_dict()
     for key, value in before.items():
         assert torch.equal(after[key].cpu(), value.cpu()), key
-    out = ebc(good)  # still usable
+    out = plain(ebc(good))  # still usable
     loss_of(out, targets_for({k: v.cpu() for k, v in out.items()}, gen) and
             {k: torch.zeros(v.shape, dtype=torch.float64, device=device) for k, v in out.items()}
             ).backward()
@@ -296,7 +296,7 @@ def test_state_dict_round_trip_resumes_exactly(device, gen):
     for e in (ebc, other):
         g = torch.Generator().manual_seed(seed + 1)
         for _ in range(2):
-            out = e(batch(cfgs, g, device=device))
+            out = plain(e(batch(cfgs, g, device=device)))
             loss_of(out, {k: v.to(device) for k, v in targets_for(
                 {k: v.cpu() for k, v in out.items()}, g).items()}).backward()
             e.step()
@@ -363,18 +363,18 @@ def test_tables_with_their_own_dtype(gen):
     mixed = [so.TableConfig("a", 30, 4, feature_names=["a1", "a2"]),
              so.TableConfig("b", 20, 4, pooling="mean", dtype=torch.bfloat16),
              so.TableConfig("c", 25, 6, pooling="none", dtype=torch.bfloat16)]
-    plain = [so.TableConfig(t.name, t.num_embeddings, t.embedding_dim, t.pooling,
-                            t.feature_names) for t in mixed]
+    uniform = [so.TableConfig(t.name, t.num_embeddings, t.embedding_dim, t.pooling,
+                              t.feature_names) for t in mixed]
     kjts = [batch(mixed, gen) for _ in range(3)]
     start = torch.randn(30, 4, generator=gen, dtype=torch.float64)
     results = []
-    for cfgs in (mixed, plain):
+    for cfgs in (mixed, uniform):
         ebc = so.HostEmbeddingBagCollection(cfgs, optimizer=torch.optim.Adam,
                                             optimizer_kwargs={"lr": 0.05}, device="cpu",
                                             dtype=torch.float64)
         ebc.load_state_dict({"a.weight": start}, strict=False)
         for kjt in kjts:
-            out = ebc(kjt)
+            out = plain(ebc(kjt))
             sum(o.double().pow(2).sum() for o in out.values()).backward()
             ebc.step()
         results.append((ebc, out))
@@ -425,7 +425,7 @@ def test_captured_read_only_forward_and_a_step_failing_in_a_capture(gen):
 
     def read(values):
         with torch.no_grad():
-            out = ebc(kjt(values))
+            out = plain(ebc(kjt(values)))
         return out["a"], out["b"]
 
     captured = so.CapturedStep(read, rows=(20,), warmup=1)
@@ -442,7 +442,7 @@ def test_captured_read_only_forward_and_a_step_failing_in_a_capture(gen):
                                      dtype=torch.float64)
 
     def train(values):
-        out = ebc(kjt(values))
+        out = plain(ebc(kjt(values)))
         (out["a"].sum() + out["b"].sum()).backward()
         ebc.step()
 

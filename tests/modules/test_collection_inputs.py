@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import speedtorch_ops as so
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, plain
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 F64 = torch.float64
@@ -31,7 +31,7 @@ def test_a_string_feature_name_is_one_feature(gen):
     assert cfg.feature_names == ("user",)
     ebc = collection([cfg])
     ids, lengths = torch.randint(0, 10, (5,), generator=gen), torch.tensor([2, 0, 3])
-    out = ebc(so.KeyedJaggedTensor.from_lengths_sync(["user"], ids, lengths))
+    out = plain(ebc(so.KeyedJaggedTensor.from_lengths_sync(["user"], ids, lengths)))
     assert list(out) == ["user"]
     assert torch.allclose(out["user"], bag_reference(ebc, "t", ids, lengths))
 
@@ -85,7 +85,7 @@ def assert_refused(ebc, features, error, match):
     """`features` raises `error` matching `match`, and the collection is unchanged."""
     before = {k: v.clone() for k, v in ebc.state_dict().items()}
     with pytest.raises(error, match=match):
-        out = ebc(features)
+        out = plain(ebc(features))
         sum(o.sum() for o in out.values()).backward()
         ebc.step()
     after = ebc.state_dict()
@@ -108,7 +108,7 @@ def test_any_batch_type_is_checked(device, gen):
     unread = Batch(keys + ["x"], values, torch.cat([lengths, lengths.new_tensor([1, -1, 0])]))
     assert_refused(ebc, unread, ValueError, "feature 'x' has a negative length")
     assert_refused(ebc, {"a": values}, TypeError, r"KeyedJaggedTensor.*got dict")
-    out = ebc(Batch(keys, values, lengths))
+    out = plain(ebc(Batch(keys, values, lengths)))
     bags = lengths.cpu().view(3, 3)
     at = torch.cumsum(bags.sum(1), 0).tolist()
     ids = values.cpu().split([at[0], at[1] - at[0], at[2] - at[1]])
@@ -154,7 +154,9 @@ def test_weights_follow_is_weighted(device, gen):
         want = bag_reference(ebc, "a", values[:5], lengths[:3],
                              weights=None if weights is None else weights[:5])
         assert torch.allclose(out["a"].cpu(), want)
-        assert torch.equal(out["c"].cpu(), ebc.table_weight("c").cpu()[values[5:]])
+        # a pooling="none" feature beside pooled ones: its rows and its samples' lengths
+        assert torch.equal(out["c"].values().cpu(), ebc.table_weight("c").cpu()[values[5:]])
+        assert torch.equal(out["c"].lengths().cpu(), lengths[3:])
 
     weighted = collection(cfgs, device, is_weighted=True)
     assert weighted.is_weighted()
@@ -197,7 +199,7 @@ def test_requires_grad_freezes_every_table(device, gen):
     assert ebc.requires_grad_(False) is ebc
     for ref in refs.values():
         ref.requires_grad_(False)
-    out = ebc(kjt)
+    out = plain(ebc(kjt))
     assert not any(o.requires_grad for o in out.values())
     ebc.step()
     after = ebc.state_dict()
@@ -207,7 +209,7 @@ def test_requires_grad_freezes_every_table(device, gen):
     for ref in refs.values():
         ref.requires_grad_(True)
     opt = torch.optim.Adam([r.weight for r in refs.values()], lr=0.1)
-    out = ebc(kjt)
+    out = plain(ebc(kjt))
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths.cpu(), 0)])
     want = {}
     for i, (f, t) in enumerate(zip(keys, ["a", "b", "b"])):  # stride 3
@@ -234,7 +236,7 @@ def test_a_batch_of_zero_samples(cls, device):
     before = {k: v.clone() for k, v in ebc.state_dict().items()}
     keys = ["a1", "a2", "b1", "b2", "c"]
     empty = torch.zeros(0, dtype=torch.int64, device=device)
-    out = ebc(so.KeyedJaggedTensor.from_lengths_sync(keys, empty, empty))
+    out = plain(ebc(so.KeyedJaggedTensor.from_lengths_sync(keys, empty, empty)))
     nothing = torch.zeros(0, dtype=torch.int64)
     for f, t in zip(keys, ["a", "a", "b", "b", "c"]):
         mode = cfgs[["a", "b", "c"].index(t)].pooling if cls is so.HostEmbeddingBagCollection \
