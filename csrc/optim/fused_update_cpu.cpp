@@ -1,6 +1,7 @@
 // _fused_row_update on the CPU (registration.cpp has the contract; rules.h the arithmetic):
 // the staged records are independent, so they split over the threads.
 #include "common/parallel.h"
+#include "copy/row_copy.h"
 #include "optim/optim_checks.h"
 #include "optim/rounding_aten.h"
 #include "optim/rules.h"
@@ -84,8 +85,17 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
     using T = at::opmath_type<W>;
     using R = std::conditional_t<std::is_same_v<S, double>, double, float>;  // the row value
     const W* g_base = grad.const_data_ptr<W>();
+    // Rows updated where they live in a table larger than the caches (the CPU step updates
+    // its host table in place) are read ahead as a sorted transfer reads them.
+    const int64_t ahead = c_base != nullptr ? prefetch_ahead(record, slots * record) : 0;
     at::parallel_for(0, rows, grain_for(rows, record, 256), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
+        if (ahead > 0 && r + ahead < hi && r + ahead < at_len) {
+          const int64_t next = slot_at[r + ahead];
+          if (next >= 0 && next < slots) {
+            prefetch_row(reinterpret_cast<const char*>(c_base + next * record), record);
+          }
+        }
         const uint64_t key = optim::row_key(checked.seed, checked.counter, r);
         const Stores<W> put_w{checked.rounds, key};
         const Stores<S> put_s{checked.rounds, key};

@@ -255,11 +255,20 @@ class HostRows:
         the store's own, and the next stage reuses it (``_stage_buffer``). ``direct`` (the
         caller updates the rows with ``direct_target``): a cache stages only the first
         ``weights`` bytes of its hits' records, their weights (none with 0: the caller reads
-        them in their slots too; None: whole records), and updates them in their slots; this
-        store has none, so neither changes anything."""
+        them in their slots too; None: whole records), and updates them in their slots. On the
+        CPU this store does the same with the host table: the rows are updated where they live
+        and the commit writes nothing back (docs/decisions.md, "The CPU step updates the table
+        in place")."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
-        carried = self._take_carry(buf, d, d.valid)
+        # Not with a carry of this step's size: its rows are taken whole, the old way.
+        in_place = direct and self.device.type == "cpu" and (
+            self._carry is None or self._carry.ids.numel() != d.n)
+        if in_place and self._carry is not None:  # another size's rows: this step may
+            self._carry.loaded.zero_()  # change them (as _take_carry empties it)
+        # Whole records, even where the update reads the state in the table: one sorted
+        # transfer with read-ahead took less than a gather of the weights alone.
+        carried = None if in_place else self._take_carry(buf, d, d.valid)
         if carried is None:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
         else:
@@ -267,7 +276,7 @@ class HostRows:
         with self.counting(d.count):
             self.stats[Stat.LOOKUPS] += d.count[0]
             self.stats[Stat.HOST_LOADS] += d.count[0]
-        self._staged = Staged(d, buf)
+        self._staged = Staged(d, buf, direct=in_place)
         return buf, d
 
     def last_hits(self) -> Optional[Tensor]:
@@ -277,8 +286,13 @@ class HostRows:
 
     def direct_target(self) -> tuple:
         """(cache, at) for a fused update of the staged step's rows where they live (see
-        ``ops._fused_row_update``), or (None, None) when every row lives in the buffer."""
-        return None, None
+        ``ops._fused_row_update``), or (None, None) when every row lives in the buffer. On the
+        CPU, after a direct stage: the host table as (1, rows, record) and each distinct row's
+        id as its slot."""
+        staged = self._staged
+        if staged is None or not staged.direct:
+            return None, None
+        return self.host.transpose(0, 1), staged.distinct.ids
 
     def _begin_stage(self, plan: Plan) -> "Distinct":
         """What every stage does first: check the ids, note a capture, join the prefetch (its
@@ -448,8 +462,13 @@ class HostRows:
 
     @phase
     def commit(self) -> None:
-        """Write the staged rows (updated in place) back."""
-        d, buf = self._take()[:2]
+        """Write the staged rows (updated in place) back; after a direct stage they were
+        updated in the host table itself, and nothing moves."""
+        staged = self._take()
+        d, buf = staged.distinct, staged.buf
+        if staged.direct:
+            self._join_side()
+            return
         with self.counting(d.count):  # every staged row goes straight back
             self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]
         self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False, sms=self._write_sms)

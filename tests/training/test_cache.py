@@ -317,7 +317,10 @@ def test_sm_caps_reach_the_transfers(device, monkeypatch):
     emb(torch.tensor([1, 2], device=device)).sum().backward()
     emb.prefetch(torch.tensor([3], device=device))
     emb.step()
-    assert sorted(set(calls)) == [(False, 2), (True, 0), (True, 7)]  # stage, prefetch, commit
+    if lane:  # stage, prefetch, commit
+        assert sorted(set(calls)) == [(False, 2), (True, 0), (True, 7)]
+    else:  # stage, prefetch; the CPU's step updates the table in place: no write-back
+        assert sorted(set(calls)) == [(True, 0), (True, 7)]
 
 
 def test_phases_are_labelled_for_the_profiler(gen):
