@@ -54,7 +54,7 @@ from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
-from .table_config import TableConfig, table_configs
+from .table_config import TableConfig, table_configs, table_index
 from .training.table import check_state_dtype, normal_init
 from .training.cache import cache_slots, check_cache_bytes
 from .training.placement import resolve_dtype, upload
@@ -310,6 +310,12 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
     def is_weighted(self) -> bool:
         """Whether a batch's weights weigh the ids (TorchRec's method)."""
         return self._is_weighted
+
+    def embedding_bag_configs(self) -> List[TableConfig]:
+        """The tables' configs, in order (TorchRec's method; ``embedding_configs`` alike)."""
+        return list(self.tables)
+
+    embedding_configs = embedding_bag_configs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -575,15 +581,9 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
 
     def table_weight(self, name: str) -> Tensor:
         """Table `name`'s weight (a view of the host table; flushed first)."""
-        k = self._table_index(name)
+        k = table_index(self.tables, name)
         g = self.groups[self._group_of[k]]
         return g.weight[self._offset[k]:self._offset[k] + self._rows[k]]
-
-    def _table_index(self, name: str) -> int:
-        for k, t in enumerate(self.tables):
-            if t.name == name:
-                return k
-        raise KeyError(f"no table named {name!r}")
 
     # ---- checkpoints ---------------------------------------------------------------------
 

@@ -110,3 +110,11 @@ def table_configs(tables) -> tuple:
     inits = {t.name: t.init_fn for t in given
              if not isinstance(t, TableConfig) and getattr(t, "init_fn", None) is not None}
     return configs, inits
+
+
+def table_index(tables: Sequence[TableConfig], name: str) -> int:
+    """The position of the table called `name` among `tables`; KeyError naming it if none."""
+    for k, t in enumerate(tables):
+        if t.name == name:
+            return k
+    raise KeyError(f"no table named {name!r}")

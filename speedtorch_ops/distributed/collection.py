@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..collection import HostEmbeddingBagCollection
-from ..table_config import TableConfig
+from ..table_config import TableConfig, table_index
 from ..eager import eager
 from . import checkpoint, peer
 from .exchange import agree, backend_device, exchange, gather_cyclic, host_route_group, local_rows
@@ -469,7 +469,7 @@ class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
         for key, value in self.state_dict().items():
             name, _, rest = key.partition(".")
             if value.dim() >= 1:  # a table's rows (the scalars are 0-dim), on every rank
-                value = gather_cyclic(value, self.tables[self._table_index(name)].num_embeddings,
+                value = gather_cyclic(value, self.tables[table_index(self.tables, name)].num_embeddings,
                                       self.group, self.comm_device)
             else:  # a copy like the tables': a snapshot the next step does not change
                 value = value.detach().clone()

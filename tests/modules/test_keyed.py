@@ -23,6 +23,8 @@ def pooled(gen):
 
 def test_a_pooled_collection_returns_a_keyed_tensor(gen):
     ebc, kjt = pooled(gen)
+    assert [t.name for t in ebc.embedding_bag_configs()] == ["a", "b"]
+    assert ebc.embedding_configs() == ebc.embedding_bag_configs()
     kt = ebc(kjt)
     assert isinstance(kt, so.KeyedTensor)
     assert kt.keys() == ["a1", "a2", "b"] and kt.key_dim() == 1
