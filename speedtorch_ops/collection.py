@@ -27,9 +27,9 @@ know are ignored, a feature it needs and does not find raises. It returns TorchR
 (``keyed.py``): with every feature pooled a ``KeyedTensor`` of ``(stride, D)`` per feature (an
 empty bag gives zeros); otherwise a dict by feature of a ``JaggedTensor`` (``values()``: the
 feature's ids' rows, ``lengths()``: its samples') for each ``pooling="none"`` feature and a
-``(stride, D)`` tensor for each pooled one. Ids are checked per feature against its table's rows (host ids on the
-host; ids on the GPU with one wait unless ``bounds_check="prechecked"``): a bad id raises naming
-the feature and nothing is written.
+``(stride, D)`` tensor for each pooled one. Ids are checked per feature against its table's
+rows (host ids on the host; ids on the GPU with one wait unless ``bounds_check="prechecked"``):
+a bad id raises naming the feature and nothing is written.
 
 ``state_dict()`` holds each table as ``"<table>.weight"`` and ``"<table>.optimizer.<state>"``
 (the shapes and dtype a ``HostEmbedding`` of that table has; a step count, and a 16-bit

@@ -256,9 +256,9 @@ class HostRows:
         caller updates the rows with ``direct_target``): a cache stages only the first
         ``weights`` bytes of its hits' records, their weights (none with 0: the caller reads
         them in their slots too; None: whole records), and updates them in their slots. On the
-        CPU this store does the same with the host table: the rows are updated where they live
-        and the commit writes nothing back (docs/decisions.md, "The CPU step updates the table
-        in place")."""
+        CPU this store stages whole records and the update writes the host table itself, so
+        the commit writes nothing back (docs/decisions.md, "The CPU step updates the table in
+        place")."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
         # Not with a carry of this step's size: its rows are taken whole, the old way.
