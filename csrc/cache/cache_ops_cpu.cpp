@@ -29,12 +29,13 @@ constexpr int kRadixBits = 11;
 // on the calling thread, a pass per 11 bits of the largest key or fewer (two passes for a
 // table of up to 4 M rows), where at::sort compares (below 32 k keys: O(n log n)) or sorts
 // every byte on all threads (from 32 k keys: parallel regions that join the threads several
-// times). Larger inputs, and keys below zero (trusted never to come; sorted all the same), go
-// to at::sort. See docs/decisions.md, "The CPU sort of a step's ids".
+// times). Larger inputs go to at::sort where more than two threads share its passes (with one
+// or two the radix sort stays ahead at any size); keys below zero (trusted never to come;
+// sorted all the same) go there too. See docs/decisions.md, "The CPU sort of a step's ids".
 std::tuple<at::Tensor, at::Tensor> stable_sort_ids(const at::Tensor& keys_in) {
   const auto keys = keys_in.contiguous();
   const int64_t n = keys.numel();
-  if (!is_serial(n, 2 * static_cast<int64_t>(sizeof(int64_t)))) {
+  if (!is_serial(n, 2 * static_cast<int64_t>(sizeof(int64_t))) && at::get_num_threads() > 2) {
     return at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   }
   const int64_t* in = keys.const_data_ptr<int64_t>();

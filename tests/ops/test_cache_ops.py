@@ -40,6 +40,25 @@ def test_sort_ids_is_a_stable_sort(device, n, bound):
     assert torch.equal(perm.cpu(), want_perm)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_large_cpu_sorts_at_every_thread_count(threads):
+    """Past the serial size the CPU sorts by radix with one or two threads, by at::sort with
+    more: the same stable order either way, and the same distinct ids."""
+    keys = torch.randint(0, 4_000_003, (200_000,), generator=gen(threads), dtype=torch.int64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        sorted_keys, perm = ops._sort_ids(keys, 4_000_003)
+        ids, inverse, count, *_ = ops._distinct(keys, 4_000_003)
+    finally:
+        torch.set_num_threads(before)
+    want_keys, want_perm = torch.sort(keys, stable=True)
+    assert torch.equal(sorted_keys, want_keys) and torch.equal(perm, want_perm)
+    unique, unique_inverse = torch.unique(keys, return_inverse=True)
+    assert int(count) == unique.numel() and torch.equal(ids[:int(count)], unique)
+    assert torch.equal(inverse, unique_inverse)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("bound", BOUNDS)
