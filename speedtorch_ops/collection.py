@@ -434,8 +434,7 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
                 # sizes, not a split size: a split of size 0 gives no piece at all
                 for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece
-        return collection_outputs(self.features, outputs, p.lengths, p.stride,
-                                  {name: span.key for name, span in p.at.items()})
+        return collection_outputs(self.features, outputs, p.lengths, p.stride, p.at)
 
     def _count(self, g: int, d) -> None:
         """Add a stage's distinct rows of group `g`, and the cache's hits among them, to their

@@ -185,15 +185,18 @@ class KeyedJaggedTensor:
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
         """Each key's ids as a ``JaggedTensor`` (values, lengths and weights are views)."""
-        weights = self._weights
-        return {key: JaggedTensor(self._values[ids], None if weights is None else weights[ids],
-                                  lengths=self._lengths[samples])
-                for key, ids, samples in self._key_slices()}
+        return {key: self._jagged(ids, samples) for key, ids, samples in self._key_slices()}
 
     def __getitem__(self, key: str) -> JaggedTensor:
         if key not in self._keys:
             raise KeyError(f"no key {key!r} (keys: {self._keys})")
-        return self.to_dict()[key]
+        return self._jagged(*next(s for s in self._key_slices() if s[0] == key)[1:])
+
+    def _jagged(self, ids: slice, samples: slice) -> JaggedTensor:
+        """One key's ids (`ids` of values) and its samples' lengths as a ``JaggedTensor``."""
+        weights = self._weights
+        return JaggedTensor(self._values[ids], None if weights is None else weights[ids],
+                            lengths=self._lengths[samples])
 
     def _with(self, keys, values, weights, lengths, length_per_key) -> "KeyedJaggedTensor":
         return KeyedJaggedTensor(keys, values, weights, lengths=lengths, stride=self._stride,

@@ -211,20 +211,20 @@ class JaggedTensor:
 
 
 def collection_outputs(features, rows: Dict[str, Tensor], lengths: Tensor, stride: int,
-                       key_of: Dict[str, int]):
+                       at: dict):
     """A collection's forward result from each feature's output `rows` (``features``: each
     with ``name`` and ``pooling``, in output order): every feature pooled, one
     ``KeyedTensor`` (an EmbeddingBagCollection's); otherwise a dict by feature (an
     EmbeddingCollection's), an unpooled feature a ``JaggedTensor`` of its rows with its
-    samples' lengths (the batch's `lengths`, key-major, ``stride`` a key; ``key_of``: each
-    feature's key index), a pooled one its ``(stride, dim)`` tensor."""
+    samples' lengths (the batch's `lengths`, key-major, ``stride`` a key; ``at[name].key``:
+    each feature's key index), a pooled one its ``(stride, dim)`` tensor."""
     names = [f.name for f in features]
     if all(f.pooling != "none" for f in features):
         return KeyedTensor.from_tensor_list(names, [rows[n] for n in names])
     out: Dict[str, object] = {}
     for f in features:
         if f.pooling == "none":
-            key = key_of[f.name]
+            key = at[f.name].key
             out[f.name] = JaggedTensor(rows[f.name],
                                        lengths=lengths[key * stride:(key + 1) * stride])
         else:

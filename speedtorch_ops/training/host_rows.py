@@ -261,18 +261,16 @@ class HostRows:
         place")."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
-        # Not with a carry of this step's size: its rows are taken whole, the old way.
-        in_place = direct and self.device.type == "cpu" and (
-            self._carry is None or self._carry.ids.numel() != d.n)
-        if in_place and self._carry is not None:  # another size's rows: this step may
-            self._carry.loaded.zero_()  # change them (as _take_carry empties it)
         # Whole records, even where the update reads the state in the table: one sorted
         # transfer with read-ahead took less than a gather of the weights alone.
-        carried = None if in_place else self._take_carry(buf, d, d.valid)
+        carried = self._take_carry(buf, d, d.valid)
         if carried is None:
             self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
         else:
             self._load(buf, d, d.valid & ~carried)
+        # Not after taking a carry of this step's size: those rows are updated in the buffer
+        # and written back, the old way.
+        in_place = direct and self.device.type == "cpu" and carried is None
         with self.counting(d.count):
             self.stats[Stat.LOOKUPS] += d.count[0]
             self.stats[Stat.HOST_LOADS] += d.count[0]
@@ -466,12 +464,11 @@ class HostRows:
         updated in the host table itself, and nothing moves."""
         staged = self._take()
         d, buf = staged.distinct, staged.buf
-        if staged.direct:
-            self._join_side()
-            return
-        with self.counting(d.count):  # every staged row goes straight back
-            self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]
-        self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False, sms=self._write_sms)
+        if not staged.direct:
+            with self.counting(d.count):  # every staged row goes straight back
+                self.stats[Stat.DIRECT_WRITEBACKS] += d.count[0]
+            self._move(buf.unbind(0), d.ids, d.positions, d.count, load=False,
+                       sms=self._write_sms)
         self._join_side()
 
     def _take(self) -> Staged:
