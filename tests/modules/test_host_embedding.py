@@ -274,14 +274,13 @@ def test_cache_trains_like_no_cache(name, slots, gen):
     train(plain, batches, targets, "cuda")
     train(cached, batches, targets, "cuda")
     stats = cached.cache_stats()
-    # Caches smaller than the rows in play send rows back (evicted, or, for the smallest,
-    # written straight back: its hot rows keep their slots); 12 slots always evict (checked on
-    # 300 seeds with the CPU's cache). 30 slots may hold every row a short run touches.
-    assert stats["hits"] > 0, stats
+    # Caches smaller than the rows in play send rows back: evicted, or written straight back
+    # when admission by frequency keeps the hot rows in their slots (which of the two depends on
+    # the seed: the GPU run of 2026-12-02 saw 12 slots write back without one eviction). 30
+    # slots may hold every row a short run touches.
+    assert stats["hits"] > 0, (stats, gen.initial_seed())
     if slots <= 12:
-        assert stats["evictions"] + stats["direct_writebacks"] > 0, stats
-    if slots == 12:
-        assert stats["evictions"] > 0, stats
+        assert stats["evictions"] + stats["direct_writebacks"] > 0, (stats, gen.initial_seed())
     assert stats["hits"] + stats["host_loads"] == stats["lookups"]
     # Equal up to the rounding of the gradient sums of repeated ids (index_add_ on the GPU adds
     # with atomics, in no fixed order).
