@@ -54,9 +54,11 @@ from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
-from .table_config import TableConfig, table_configs, table_index
-from .training.table import check_state_dtype, normal_init
-from .training.cache import cache_slots, check_cache_bytes
+from .collection_hashed import build_hashed, hashed_group_rows, pad_row, tick
+from .collection_tables import CollectionTables
+from .table_config import TableConfig, table_configs
+from .training.table import check_state_dtype
+from .training.cache import check_cache_bytes
 from .training.placement import resolve_dtype, upload
 from .training.plan import _INTEGER, check_bounds_mode
 
@@ -135,13 +137,6 @@ class _Piece(NamedTuple):
     table: int
 
 
-class TablePlace(NamedTuple):
-    """Where a table's rows live: its width group, its first row there and its rows."""
-    group: int
-    offset: int
-    rows: int
-
-
 def _layout(coll, features) -> tuple:
     """(the batch's parts, where each of collection `coll`'s features' ids sit: a ``Span``) of
     a jagged batch: every feature present. Offsets are not read: the lengths place every id
@@ -177,7 +172,9 @@ def _check(coll, batch: JaggedBatch, at: dict) -> None:
         span = at[f.name]
         rows = coll.tables[f.table].num_embeddings
         ids = values[span.start:span.end]
-        flags.append(((ids < 0) | (ids >= rows)).any())
+        # A hashed table takes any id.
+        flags.append(ids.new_zeros((), dtype=torch.bool) if rows is None
+                     else ((ids < 0) | (ids >= rows)).any())
     per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
     bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
                     ).to(torch.int64).cpu().tolist()
@@ -199,7 +196,7 @@ def _check(coll, batch: JaggedBatch, at: dict) -> None:
                                "rows; every id must be in [0, rows). Nothing was written.")
 
 
-class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
+class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
     """Tables in host memory trained as one step (see the module docstring).
 
     Args:
@@ -252,8 +249,7 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         check_cache_bytes(cache_bytes)
         self._is_weighted = _checked_weighted(is_weighted, type(self))
         self.tables = tables
-        self._rows = list(_held_rows) if _held_rows is not None else \
-            [t.num_embeddings for t in tables]
+        self._rows = list(_held_rows) if _held_rows is not None else [t.rows for t in tables]
         self.bounds_check = bounds_check
         self.features: List[_Feature] = []
         for k, t in enumerate(tables):
@@ -272,13 +268,19 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
             g = self._group_of[k]
             self._offset[k] = rows[g]
             rows[g] += self._rows[k]
-        groups = [_Group(rows[g] + _spare_rows, width, optimizer=optimizer,
-                         optimizer_kwargs=optimizer_kwargs, device=device,
+        # A group of hashed tables holds one more row: every id without a row reads it.
+        pads = [int(any(t.hashed for k, t in enumerate(tables) if self._group_of[k] == g))
+                for g in range(len(widths))]
+        groups = [_Group(rows[g] + _spare_rows + pads[g], width,
+                         padding_idx=rows[g] + _spare_rows if pads[g] else None,
+                         optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, device=device,
                          bounds_check="prechecked", dtype=group_dtype,
                          stochastic_rounding=stochastic_rounding, state_dtype=group_state)
                   for g, (width, group_dtype, group_state) in enumerate(widths)]
         self._default_dtype = dtype
         self.groups = nn.ModuleList(groups)
+        self.hashed = build_hashed(self)  # {table position: HashedRows}
+        self.hashed_load: dict = {}  # a checkpoint's hashed ids while it loads
         if cache_bytes and self.device.type != "cuda":
             warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
                           "live in the memory the step runs in", stacklevel=2)
@@ -328,8 +330,10 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
 
     # ---- a step --------------------------------------------------------------------------
 
-    def _group_ids(self, values: Tensor, at: dict, device: torch.device) -> list:
-        """Each group's ``GroupIds`` of the batch."""
+    def _group_ids(self, values: Tensor, at: dict, device: torch.device,
+                   forward: bool = True) -> list:
+        """Each group's ``GroupIds`` of the batch (`forward`: a forward's, which may give a
+        hashed table's ids rows; else a prefetch's, which only reads their map)."""
         out = []
         order = {"none": 0, "sum": 1, "mean": 2}  # a pooling's features stay together
         for g in range(len(self.groups)):
@@ -345,7 +349,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
                     pieces.append(_Piece(span.start, span.end, f.table))
                 starts.append(n)
                 n += span.end - span.start
-            pieces = [self._stacked(p.table, values[p.start:p.end].to(torch.int64))
+            trains = forward and self.groups[g].trains
+            pieces = [self._stacked(p.table, values[p.start:p.end].to(torch.int64), trains)
                       for p in pieces]
             flat = (pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces
                     else values.new_zeros(0, dtype=torch.int64))
@@ -354,8 +359,11 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
             out.append(GroupIds(feats, flat, starts))
         return out
 
-    def _stacked(self, table: int, ids: Tensor) -> Tensor:
-        """Table `table`'s ids as rows of its group (the table's row offset added)."""
+    def _stacked(self, table: int, ids: Tensor, trains: bool = False) -> Tensor:
+        """Table `table`'s ids as rows of its group (the table's row offset added; a hashed
+        table's mapped, given rows where `trains`)."""
+        if table in self.hashed:
+            return hashed_group_rows(self, table, ids, trains)
         offset = self._offset[table]
         return ids + offset if offset else ids
 
@@ -369,8 +377,12 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
             if pooling and weights is not None and f.pooling == "mean":
                 raise NotImplementedError(f"feature {f.name!r}: per-sample weights need "
                                           "pooling='sum' (as nn.EmbeddingBag)")
+        if pooling and self.hashed:  # a forward: no hashed row is given before it can run
+            for group in self.groups:
+                group.engine.check_restage()
+            tick(self)
         return Prepared(weights, batch.lengths, batch.stride, at,
-                        self._group_ids(batch.values, at, self.device))
+                        self._group_ids(batch.values, at, self.device, forward=pooling))
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
@@ -379,7 +391,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         engine = group.engine
         d = engine.stage((flat,), group.trains, lookup_only=lookup_only).distinct
         self._count(g, d)
-        rows = engine.lookup_rows(d.inverse)
+        staged = engine.staged
+        rows = engine.lookup_rows(d.inverse, staged.pad_at if staged is not None else None)
 
         def pick(lo: int, hi: int, sizes: list) -> tuple:
             if lo == 0 and hi == len(d.inverse):  # the segment sum needs every position
@@ -482,8 +495,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         self._prefetch(self._prepare(features, pooling=False).grouped)
 
     def _prefetch(self, grouped: list) -> None:
-        for group, (feats, flat, _) in zip(self.groups, grouped):
-            if feats:
+        for g, (group, (feats, flat, _)) in enumerate(zip(self.groups, grouped)):
+            if feats and pad_row(self, g) is None:  # a hashed group's rows may change hands
                 group.prefetch(flat)
 
     @eager
@@ -511,79 +524,6 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
     def fused(self) -> bool:
         return all(group.fused for group in self.groups)
 
-    def cache_stats(self) -> dict:
-        """Per group of tables ("dim<D>", or "dim<D>-<dtype>" where tables of one width have
-        several dtypes, "-<group>" after it where a conversion gave them one) and in total
-        ("total"): HostEmbedding.cache_stats's counts (the tables
-        of a group share one cache); per table (by name): distinct rows looked up, cache hits
-        and the hit rate, under "tables". Reading them waits for the GPU."""
-        for g in self.groups:  # the counting queued so far
-            g.store.counters()
-        per_table = self._table_stats.tolist()
-        widths = [g.embedding_dim for g in self.groups]
-        out = {}
-        for n, g in enumerate(self.groups):
-            name = f"dim{g.embedding_dim}"
-            if widths.count(g.embedding_dim) > 1:
-                name += "-" + str(g.dtype).removeprefix("torch.")
-            out[name if name not in out else f"{name}-{n}"] = g.cache_stats()
-        total = {}
-        for stats in out.values():
-            for key, value in stats.items():
-                if key != "hit_rate":
-                    total[key] = total.get(key, 0) + value
-        total["hit_rate"] = total["hits"] / total["lookups"] if total["lookups"] else 0.0
-        out["total"] = total
-        out["tables"] = {t.name: {"lookups": lookups, "hits": hits,
-                                  "hit_rate": hits / lookups if lookups else 0.0}
-                         for t, (lookups, hits) in zip(self.tables, per_table)}
-        return out
-
-    def set_cache_bytes(self, cache_bytes: int) -> None:
-        """The GPU row caches' budget for all tables (0: none), as
-        ``HostEmbedding.set_cache_bytes`` (between steps; a ``CapturedStep`` made before must
-        not replay): shared by the groups by their tables' bytes; a share too small for a
-        group's index and one row leaves that group without a cache."""
-        check_cache_bytes(cache_bytes)
-        sizes = [g.num_embeddings * g.row_bytes for g in self.groups]
-        for g, size in zip(self.groups, sizes):
-            share = cache_bytes * size // sum(sizes)
-            fits = cache_slots(share, g.num_embeddings, g.row_bytes, strict=False) > 0
-            g.set_cache_bytes(share if fits else 0)
-
-    def reset_parameters(self, init=None) -> None:
-        """Re-initialise each table's weight in place, and its optimizer state, as
-        ``HostEmbedding.reset_parameters``: `init` a function of a table's weight (its rows
-        held here, dim), or a dict of them by table name (a table not named, or init None:
-        normal(0, 1), as nn.Embedding's); cached copies are dropped."""
-        inits = dict(init) if isinstance(init, dict) else {t.name: init for t in self.tables}
-        unknown = sorted(set(inits) - {t.name for t in self.tables})
-        if unknown:
-            raise KeyError(f"init: no table named {unknown}")
-        for g, group in enumerate(self.groups):
-            mine = [k for k in range(len(self.tables)) if self._group_of[k] == g]
-
-            def each_table(weight, mine=mine):
-                for k in mine:
-                    rows = weight[self._offset[k]:self._offset[k] + self._rows[k]]
-                    fn = inits.get(self.tables[k].name) or normal_init
-                    fn(rows)
-            group.reset_parameters(each_table)
-
-    def place(self, k: int) -> TablePlace:
-        """Where table `k`'s rows live: its width group, its first row there, its rows held."""
-        return TablePlace(self._group_of[k], self._offset[k], self._rows[k])
-
-    def tables_of(self, g: int) -> list:
-        """The positions of width group `g`'s tables, in their row order."""
-        return [k for k in range(len(self.tables)) if self._group_of[k] == g]
-
-    def table_weight(self, name: str) -> Tensor:
-        """Table `name`'s weight (a view of the host table; flushed first)."""
-        k = table_index(self.tables, name)
-        g = self.groups[self._group_of[k]]
-        return g.weight[self._offset[k]:self._offset[k] + self._rows[k]]
-
     # ---- checkpoints ---------------------------------------------------------------------
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -594,7 +534,8 @@ class HostEmbeddingBagCollection(CheckpointNames, nn.Module):
         load_collection(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
-        tables = ", ".join(f"{t.name}({t.num_embeddings}x{t.embedding_dim}"
+        tables = ", ".join(f"{t.name}({t.num_embeddings or f'hashed {t.capacity}'}x"
+                           f"{t.embedding_dim}"
                            + (f", {t.pooling}" if self._pooled else "") + ")"
                            for t in self.tables)
         return f"tables=[{tables}]"

@@ -9,16 +9,21 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from .collection_hashed import check_hashed_load, hashed_piece, load_hashed, save_hashed
 from .training.checkpoint import load_rows, same_view, save_rows
 from .training.update import OPTIONAL_STATE, ROUNDING_STATE
 
 
 def save_collection(coll, destination: dict, prefix: str) -> None:
-    """Every table's entries of collection `coll` under `prefix`: views of its group's."""
+    """Every table's entries of collection `coll` under `prefix`: views of its group's (a
+    hashed table's: its held rows, with its ids and scores)."""
     for g, group in enumerate(coll.groups):
         whole: dict = {}
         save_rows(group.engine, whole)
         for k in coll.tables_of(g):
+            if k in coll.hashed:
+                save_hashed(coll, k, whole, destination, prefix)
+                continue
             place = coll.place(k)
             for key, value in whole.items():
                 rows = value.dim() >= 1 and value.shape[0] == group.num_embeddings
@@ -49,6 +54,11 @@ def _gather_rows(coll, state_dict: dict, names: list, mine: list, current: Tenso
     for k, n in zip(mine, names):
         place = coll.place(k)
         here = current[place.offset:place.offset + place.rows]
+        if k in coll.hashed and (n in state_dict or k in coll.hashed_load):
+            pieces.append(hashed_piece(coll, k, state_dict.get(n), here, n, errors))
+            present += 1
+            in_place = False
+            continue
         if n not in state_dict:
             pieces.append(here)  # not in the checkpoint: kept as it is
             continue
@@ -61,7 +71,7 @@ def _gather_rows(coll, state_dict: dict, names: list, mine: list, current: Tenso
         in_place &= same_view(v, here)
         pieces.append(v)
         present += 1
-    if len(pieces) != len(mine):
+    if len(pieces) != len(mine) or any(p is None for p in pieces):
         return None
     last = coll.place(mine[-1])
     pieces.append(current[last.offset + last.rows:])  # the group's spare rows, kept
@@ -89,7 +99,7 @@ def _gather_group(coll, g: int, state_dict: dict, prefix: str, missing_keys: lis
             errors += _scalar_errors(state_dict, present, current)  # a step count
             if present:
                 gathered[key] = state_dict[present[0]]
-        elif present:
+        elif present or any(k in coll.hashed_load for k in mine):
             rows = _gather_rows(coll, state_dict, names, mine, current, errors)
             if rows is not None:
                 gathered[key] = rows
@@ -101,6 +111,7 @@ def load_collection(coll, state_dict: dict, prefix: str, missing_keys: list,
     """Collection `coll`'s tables from `state_dict` (nn's ``_load_from_state_dict``
     contract): every group's entries checked first, so an error loads nothing."""
     known, errors = set(), []
+    found = check_hashed_load(coll, state_dict, prefix, errors, known)
     loads = [_gather_group(coll, g, state_dict, prefix, missing_keys, errors, known)
              for g in range(len(coll.groups))]
     names = {t.name for t in coll.tables}
@@ -117,6 +128,7 @@ def load_collection(coll, state_dict: dict, prefix: str, missing_keys: list,
     for group, gathered in zip(coll.groups, loads):
         if gathered:
             load_rows(group.engine, gathered, "", [], [], error_msgs)
+    load_hashed(coll, state_dict, prefix, found)
 
 
 class CheckpointNames:

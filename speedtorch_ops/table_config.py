@@ -5,10 +5,11 @@ are (``from_torchrec``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from .training.hashed import check_hashed
 from .training.table import FLOATING
 
 _POOLING = ("sum", "mean", "none")
@@ -28,25 +29,62 @@ class TableConfig:
         dtype: the table's weights' dtype (default: the collection's).
         state_dtype: its optimizer state's dtype (default: the collection's; None: the
             weights'), as HostEmbedding's ``state_dtype``.
+        capacity: a hashed table (``num_embeddings=None``): any int64 id, at most `capacity`
+            of them holding a row at once (``training/hashed.py``).
+        admit_after: a hashed table's id gets a row once seen this many times (default 1);
+            until then it reads zeros and its gradient is dropped (counted as
+            ``"not_admitted"`` in ``cache_stats()["tables"]``).
+        evict: a full hashed table's choice of the row to free: "lru" (default), "lfu", or a
+            function ``(count, last_step) -> score`` (int64 tensors; the lowest goes first).
+        on_evict: ``on_evict(table, ids, weights, state)``, handed each evicted row's id,
+            weight and optimizer state before its row is reused (None: counted only).
 
     Example::
 
         TableConfig("item", 1_000_000, 64, pooling="mean", feature_names=["item", "seen"],
                     dtype=torch.bfloat16)
+        TableConfig("user", None, 64, capacity=4_000_000, admit_after=2, evict="lfu")
     """
     name: str
-    num_embeddings: int
+    num_embeddings: Optional[int]
     embedding_dim: int
     pooling: str = "sum"
     feature_names: Sequence[str] = field(default_factory=tuple)
     dtype: Optional[torch.dtype] = None
     state_dtype: Optional[torch.dtype] = None
+    capacity: Optional[int] = None
+    admit_after: int = 1
+    evict: Union[str, Callable] = "lru"
+    on_evict: Optional[Callable] = None
+
+    @property
+    def hashed(self) -> bool:
+        """Whether the table is keyed by any int64 id (built with a capacity)."""
+        return self.capacity is not None
+
+    @property
+    def rows(self) -> int:
+        """The rows the table holds: its num_embeddings, or a hashed table's capacity."""
+        return self.capacity if self.hashed else self.num_embeddings
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ValueError(f"TableConfig.name must be a non-empty string without '.', got "
                              f"{self.name!r}")
-        for key in ("num_embeddings", "embedding_dim"):
+        if self.capacity is not None or self.num_embeddings is None:
+            if self.num_embeddings is not None:
+                raise ValueError(f"TableConfig {self.name!r}: a hashed table (capacity="
+                                 f"{self.capacity!r}) takes num_embeddings=None, got "
+                                 f"{self.num_embeddings!r}")
+            if self.capacity is None:
+                raise ValueError(f"TableConfig {self.name!r}: num_embeddings=None needs a "
+                                 "capacity (a hashed table)")
+            check_hashed(self.name, self.capacity, self.admit_after, self.evict, self.on_evict)
+        elif (self.admit_after, self.evict, self.on_evict) != (1, "lru", None):
+            raise ValueError(f"TableConfig {self.name!r}: admit_after, evict and on_evict "
+                             "apply to a hashed table (num_embeddings=None, capacity=...)")
+        keys = ("embedding_dim",) if self.hashed else ("num_embeddings", "embedding_dim")
+        for key in keys:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TableConfig {self.name!r}: {key} must be a positive int, got "

@@ -175,6 +175,8 @@ class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
             raise ValueError("group: this process is not a member of the group")
         comm_device = backend_device(group)
         tables = list(tables)
+        if any(getattr(t, "hashed", False) for t in tables):
+            raise NotImplementedError("tables: a sharded collection takes no hashed table yet")
         held = [local_rows(t.num_embeddings, rank, world) if isinstance(t, TableConfig) else 0
                 for t in tables]  # the base class names a table that is not a TableConfig
         super().__init__(tables, optimizer, optimizer_kwargs,
@@ -246,8 +248,9 @@ class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
             grads.reserve(ends[2])
         return layout
 
-    def _stacked(self, table: int, ids: Tensor) -> Tensor:
-        """Table `table`'s ids as (the owner's row in its group) * world + owner."""
+    def _stacked(self, table: int, ids: Tensor, trains: bool = False) -> Tensor:
+        """Table `table`'s ids as (the owner's row in its group) * world + owner (no table is
+        hashed here: `trains` changes nothing)."""
         owner = ids % self.world
         starts = self._starts if ids.device == self._starts.device else self._starts_cpu
         return (ids // self.world + starts[table].to(ids.device)[owner]) * self.world + owner
