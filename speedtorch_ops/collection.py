@@ -54,7 +54,7 @@ from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
-from .collection_hashed import build_hashed, hashed_group_rows, pad_row, tick
+from .collection_hashed import build_hashed, hashed_group_rows, pad_row, refuse_capture, tick
 from .collection_tables import CollectionTables
 from .table_config import TableConfig, table_configs
 from .training.table import check_state_dtype
@@ -370,6 +370,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
     def _prepare(self, features, pooling: bool = True) -> Prepared:
         """A forward's input checked and laid out; `pooling`: check what the pooling needs
         too (a prefetch only loads rows)."""
+        refuse_capture(self)
         batch, at = _layout(self, features)
         _check(self, batch, at)
         weights = batch.weights

@@ -56,15 +56,21 @@ def pad_row(coll, g: int) -> Optional[int]:
 def hashed_group_rows(coll, k: int, ids: Tensor, training: bool) -> Tensor:
     """Hashed table `k`'s `ids` as rows of its group: its row offset added, the group's pad
     row where an id has none."""
-    if ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"table {coll.tables[k].name!r} is hashed: its ids map to rows on "
-                           "the host, which a CUDA graph capture cannot wait for; train a "
-                           "collection with hashed tables eagerly (no CapturedStep)")
     rows = coll.hashed[k].rows_for(ids.cpu().numpy().astype(np.int64, copy=False), training)
     place = coll.place(k)
     pad = pad_row(coll, place.group)
     out = np.where(rows >= 0, rows + place.offset, pad)
     return torch.from_numpy(out).to(ids.device)
+
+
+def refuse_capture(coll) -> None:
+    """Raise, naming a hashed table, where `coll` has one and a CUDA graph capture is on: its
+    ids map to rows on the host, which a capture cannot wait for."""
+    if coll.hashed and coll.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        name = coll.tables[next(iter(coll.hashed))].name
+        raise RuntimeError(f"table {name!r} is hashed: its ids map to rows on the host, which "
+                           "a CUDA graph capture cannot wait for; train a collection with "
+                           "hashed tables eagerly (no CapturedStep)")
 
 
 def tick(coll) -> None:
