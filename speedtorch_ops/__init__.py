@@ -24,6 +24,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from .modules import HostEmbedding, HostEmbeddingBag, clip_grad_norm_, count_parameters
 from .capture import CapturedStep
 from .collection import HostEmbeddingBagCollection, HostEmbeddingCollection
+from .prefetcher import Prefetcher
 from .table_config import TableConfig
 from .jagged import KeyedJaggedTensor
 from .keyed import JaggedTensor, KeyedTensor
@@ -65,6 +66,7 @@ __all__ = [
     "CapturedStep",
     "HostEmbeddingBagCollection",
     "HostEmbeddingCollection",
+    "Prefetcher",
     "TableConfig",
     "KeyedJaggedTensor",
     "KeyedTensor",

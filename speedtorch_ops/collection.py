@@ -281,6 +281,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         self.groups = nn.ModuleList(groups)
         self.hashed = build_hashed(self)  # {table position: HashedRows}
         self.hashed_load: dict = {}  # a checkpoint's hashed ids while it loads
+        self._named = None  # the batch prepare_next named, for step() to prepare
+        self._ready: Optional[tuple] = None  # (that batch, its Prepared) after step()
         if cache_bytes and self.device.type != "cuda":
             warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
                           "live in the memory the step runs in", stacklevel=2)
@@ -404,6 +406,9 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
 
     @eager
     def forward(self, features):
+        ready, self._ready = self._ready, None
+        if ready is not None and ready[0] is features:
+            return self._forward(ready[1])  # prepared by the last step()
         return self._forward(self._prepare(features))
 
     def _forward(self, p: Prepared) -> dict:
@@ -474,8 +479,33 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
 
     @eager
     def step(self) -> None:
-        """Update every table's touched rows (and state) and commit them."""
+        """Update every table's touched rows (and state) and commit them; then prepare the
+        batch ``prepare_next`` named, if any."""
         self._step_groups()
+        self._prepare_ahead()
+
+    @eager
+    def prepare_next(self, features) -> None:
+        """Name the next step's batch: the next ``step()``, once it has queued its update,
+        checks it, lays its ids out on the device and starts loading its rows (as
+        ``prefetch``), so that this host work runs while the GPU computes the step, before a
+        loop waits for it (a loss printed). The next forward of this very batch object takes
+        it as prepared; any other batch is prepared as usual. A bad batch raises in its own
+        forward, not in ``step()``. ``speedtorch_ops.Prefetcher`` calls this for a loader's
+        batches. Collections with a hashed table prepare in the forward (it gives rows)."""
+        self._named = features
+
+    def _prepare_ahead(self) -> None:
+        named, self._named = self._named, None
+        if named is None or self.hashed or (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        try:
+            prepared = self._prepare(named)
+        except Exception:  # noqa: BLE001 - raised again by the batch's own forward
+            return
+        self._ready = (named, prepared)
+        self._prefetch(prepared.grouped)
 
     def _step_groups(self) -> None:
         """Each group's step(). Inside a CUDA graph capture a failing one drops every group's
