@@ -46,6 +46,7 @@ def main():
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--cache-gib", type=float, default=None, help="default: every row")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code")
+    p.add_argument("--profile", help="a folder for chrome traces of the host feeds")
     p.add_argument("--json")
     p.add_argument("--plot")
     a = p.parse_args()
@@ -87,6 +88,13 @@ def main():
     for r in range(a.rounds):
         for name in list(feeds)[r % 3:] + list(feeds)[:r % 3]:
             runs[name] += loop(name, a.steps, r)
+    if a.profile:  # a few steps of the host feeds under torch.profiler: where the host waits
+        from torch.profiler import ProfilerActivity, profile
+        for name in ("host", "prefetcher"):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                loop(name, 6, 0)
+            prof.export_chrome_trace(f"{a.profile}/host_feed-{name}.json")
+            print(name, prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     med = {name: statistics.median(t) for name, t in runs.items()}
     result = {"benchmark": "host ids fed each step, waited for", "date":
               time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

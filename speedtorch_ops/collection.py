@@ -158,28 +158,48 @@ def _layout(coll, features) -> tuple:
     return batch, at
 
 
+def _host_flags(coll, batch: JaggedBatch, at: dict) -> list:
+    """[each feature's ids out of its table's range, each key's lengths negative, each key's
+    lengths' sum] of a batch on the host, by NumPy (torch's CPU ops wake its thread pool, which
+    on a many-core host cost milliseconds a step)."""
+    values = batch.values.numpy()
+    flags = []
+    for f in coll.features:
+        span, rows = at[f.name], coll.tables[f.table].num_embeddings
+        ids = values[span.start:span.end]
+        flags.append(int(rows is not None and ids.size > 0  # a hashed table takes any id
+                         and (ids.min() < 0 or ids.max() >= rows)))
+    per_key = batch.lengths.cpu().numpy().reshape(len(batch.keys), batch.stride)
+    return flags + (per_key < 0).any(1).astype(int).tolist() + per_key.sum(1).tolist()
+
+
+def _device_flags(coll, batch: JaggedBatch, at: dict) -> list:
+    """``_host_flags`` of a batch on a GPU, read back with one wait."""
+    values = batch.values
+    flags = []
+    for f in coll.features:
+        span, rows = at[f.name], coll.tables[f.table].num_embeddings
+        ids = values[span.start:span.end]
+        flags.append(ids.new_zeros((), dtype=torch.bool) if rows is None
+                     else ((ids < 0) | (ids >= rows)).any())
+    per_key = batch.lengths.reshape(len(batch.keys), batch.stride).to(values.device)
+    return torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
+                     ).to(torch.int64).cpu().tolist()
+
+
 def _check(coll, batch: JaggedBatch, at: dict) -> None:
     """Each feature's ids of collection `coll` in its table's rows, every key's lengths >= 0
     and summing to the batch's ids of that key (a key not read places the ids after it too),
     naming the feature: on the host, or with one wait for a batch on a GPU (none when
     prechecked)."""
-    values, lengths, stride = batch.values, batch.lengths, batch.stride
+    values = batch.values
     on_gpu = values.device.type == "cuda"
     if on_gpu and coll.bounds_check == "prechecked":
         return
-    flags = []
-    for f in coll.features:
-        span = at[f.name]
-        rows = coll.tables[f.table].num_embeddings
-        ids = values[span.start:span.end]
-        # A hashed table takes any id.
-        flags.append(ids.new_zeros((), dtype=torch.bool) if rows is None
-                     else ((ids < 0) | (ids >= rows)).any())
-    per_key = lengths.reshape(len(batch.keys), stride).to(values.device)  # one transfer
-    bad = torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
-                    ).to(torch.int64).cpu().tolist()
-    split = len(flags) + len(batch.keys)  # ids flags, negative flags, sums
-    for key, flag in zip(batch.keys, bad[len(flags):split]):
+    bad = (_device_flags if values.device.type != "cpu" else _host_flags)(coll, batch, at)
+    n = len(coll.features)
+    split = n + len(batch.keys)  # ids flags, negative flags, sums
+    for key, flag in zip(batch.keys, bad[n:split]):
         if flag:
             raise ValueError(f"features: feature {key!r} has a negative length")
     wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
@@ -351,6 +371,9 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                     pieces.append(_Piece(span.start, span.end, f.table))
                 starts.append(n)
                 n += span.end - span.start
+            if values.device.type == "cpu" and self._offsets_only(pieces):
+                out.append(GroupIds(feats, self._host_flat(values, pieces, n, device), starts))
+                continue
             trains = forward and self.groups[g].trains
             pieces = [self._stacked(p.table, values[p.start:p.end].to(torch.int64), trains)
                       for p in pieces]
@@ -360,6 +383,23 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                 flat = upload(flat, device) if flat.device.type == "cpu" else flat.to(device)
             out.append(GroupIds(feats, flat, starts))
         return out
+
+    def _offsets_only(self, pieces: list) -> bool:
+        """Whether `pieces`' ids become their group's rows by their tables' offsets alone."""
+        return (type(self)._stacked is HostEmbeddingBagCollection._stacked
+                and not any(p.table in self.hashed for p in pieces))
+
+    def _host_flat(self, values: Tensor, pieces: list, n: int, device: torch.device) -> Tensor:
+        """A group's `n` ids of the host `values` in `pieces` as its rows, laid out by NumPy
+        straight into the buffer that goes to `device` (pinned for a GPU): torch's CPU ops
+        would wake its thread pool, which on a many-core host costs milliseconds a step."""
+        buf = torch.empty(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+        ids, out, at = values.numpy(), buf.numpy(), 0
+        for p in pieces:
+            np.add(ids[p.start:p.end], np.int64(self._offset[p.table]),
+                   out=out[at:at + p.end - p.start])
+            at += p.end - p.start
+        return buf.to(device, non_blocking=True) if device.type == "cuda" else buf
 
     def _stacked(self, table: int, ids: Tensor, trains: bool = False) -> Tensor:
         """Table `table`'s ids as rows of its group (the table's row offset added; a hashed

@@ -251,3 +251,18 @@ def test_a_batch_of_zero_samples(cls, device):
     after = ebc.state_dict()
     for key, value in before.items():
         assert value.dim() == 0 or torch.equal(after[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_ids_read_the_same_rows_as_int64(dtype, gen):
+    """Ids of any integer dtype, in a table past a first one of 200 rows (its rows start at
+    an offset a narrow dtype cannot hold): the same outputs as int64 ids."""
+    tables = [so.TableConfig("a", 200, 4), so.TableConfig("b", 100, 4)]
+    ebc = so.HostEmbeddingBagCollection(tables, optimizer=torch.optim.SGD,
+                                        optimizer_kwargs={"lr": 0.1}, device="cpu")
+    ebc.eval()
+    lengths = torch.randint(0, 4, (6,), generator=gen)
+    values = torch.randint(0, 100, (int(lengths.sum()),), generator=gen)
+    wide = so.KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, lengths)
+    narrow = so.KeyedJaggedTensor.from_lengths_sync(["a", "b"], values.to(dtype), lengths)
+    assert torch.equal(ebc(narrow).values(), ebc(wide).values()), gen.initial_seed()
