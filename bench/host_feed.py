@@ -90,7 +90,7 @@ def main():
             runs[name] += loop(name, a.steps, r)
     if a.profile:  # a few steps of the host feeds under torch.profiler: where the host waits
         from torch.profiler import ProfilerActivity, profile
-        for name in ("host", "prefetcher"):
+        for name in ("gpu", "host", "prefetcher"):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 loop(name, 6, 0)
             prof.export_chrome_trace(f"{a.profile}/host_feed-{name}.json")

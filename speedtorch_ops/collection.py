@@ -41,6 +41,7 @@ group's rounding seed and counter, are its group's); ``step()``,
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -216,6 +217,67 @@ def _check(coll, batch: JaggedBatch, at: dict) -> None:
                                "rows; every id must be in [0, rows). Nothing was written.")
 
 
+def _on(flat: Tensor, device: torch.device) -> Tensor:
+    """A group's host ids on `device` (queued: they sit in pinned memory)."""
+    return flat.to(device, non_blocking=True) if flat.device != device else flat
+
+
+@dataclass
+class _Named:
+    batch: object
+    work: object  # a Future of the host Prepared, or the Prepared on the device
+
+
+class _Ahead:
+    """The batches a collection's ``prepare_next`` named (the last two: a loader names one
+    before the step of the one before it has run), each with its preparation: a future of
+    ``_prepare(batch, host=True)`` on the worker thread, then its ``Prepared`` on the device
+    once a ``step()`` found it done (its rows' prefetch started)."""
+
+    _pool: Optional[ThreadPoolExecutor] = None  # one worker for every collection
+
+    def __init__(self):
+        self.named: List[_Named] = []
+
+    def name(self, coll, features) -> None:
+        values = getattr(features, "values", None)
+        values = values() if callable(values) else None
+        if coll.hashed or not isinstance(values, Tensor) or values.device.type != "cpu":
+            return
+        if _Ahead._pool is None:
+            _Ahead._pool = ThreadPoolExecutor(1, thread_name_prefix="speedtorch_ops-prepare")
+        work = _Ahead._pool.submit(coll._prepare, features, True, True)
+        self.named = self.named[-1:] + [_Named(features, work)]
+
+    def settle(self, coll) -> None:
+        """In a step(), its update queued: the newest preparation, if done, sent to the
+        device and its rows' prefetch started (an error waits for the batch's own forward)."""
+        if not self.named or (coll.device.type == "cuda"
+                              and torch.cuda.is_current_stream_capturing()):
+            return
+        last = self.named[-1]
+        work = last.work
+        if isinstance(work, Future) and work.done() and work.exception() is None:
+            last.work = self.on_device(work.result(), coll.device)
+            if coll.device.type == "cuda":  # a CPU step reads the host table itself
+                coll._prefetch(last.work.grouped)
+
+    def take(self, coll, features) -> Optional[Prepared]:
+        """The ``Prepared`` on the device of `features` if it was named (its error raised
+        here; it and the batches named before it are then forgotten), else None."""
+        at = next((k for k, n in enumerate(self.named) if n.batch is features), None)
+        if at is None or (coll.device.type == "cuda"
+                          and torch.cuda.is_current_stream_capturing()):
+            return None
+        work = self.named[at].work
+        del self.named[:at + 1]
+        return self.on_device(work.result(), coll.device) if isinstance(work, Future) else work
+
+    @staticmethod
+    def on_device(p: Prepared, device: torch.device) -> Prepared:
+        return p._replace(grouped=[g._replace(flat=_on(g.flat, device)) for g in p.grouped])
+
+
 class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
     """Tables in host memory trained as one step (see the module docstring).
 
@@ -301,8 +363,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         self.groups = nn.ModuleList(groups)
         self.hashed = build_hashed(self)  # {table position: HashedRows}
         self.hashed_load: dict = {}  # a checkpoint's hashed ids while it loads
-        self._named = None  # the batch prepare_next named, for step() to prepare
-        self._ready: Optional[tuple] = None  # (that batch, its Prepared) after step()
+        self._ahead = _Ahead()  # the batch prepare_next named, and its preparation
         if cache_bytes and self.device.type != "cuda":
             warnings.warn(f"cache_bytes={cache_bytes} is ignored on the CPU: the tables already "
                           "live in the memory the step runs in", stacklevel=2)
@@ -353,7 +414,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
     # ---- a step --------------------------------------------------------------------------
 
     def _group_ids(self, values: Tensor, at: dict, device: torch.device,
-                   forward: bool = True) -> list:
+                   forward: bool = True, host: bool = False) -> list:
         """Each group's ``GroupIds`` of the batch (`forward`: a forward's, which may give a
         hashed table's ids rows; else a prefetch's, which only reads their map)."""
         out = []
@@ -372,7 +433,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                 starts.append(n)
                 n += span.end - span.start
             if values.device.type == "cpu" and self._offsets_only(pieces):
-                out.append(GroupIds(feats, self._host_flat(values, pieces, n, device), starts))
+                flat = self._host_flat(values, pieces, n, device)
+                out.append(GroupIds(feats, flat if host else _on(flat, device), starts))
                 continue
             trains = forward and self.groups[g].trains
             pieces = [self._stacked(p.table, values[p.start:p.end].to(torch.int64), trains)
@@ -391,7 +453,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
 
     def _host_flat(self, values: Tensor, pieces: list, n: int, device: torch.device) -> Tensor:
         """A group's `n` ids of the host `values` in `pieces` as its rows, laid out by NumPy
-        straight into the buffer that goes to `device` (pinned for a GPU): torch's CPU ops
+        straight into the buffer that goes to `device` (pinned for a GPU; ``_on`` sends
+        it): torch's CPU ops
         would wake its thread pool, which on a many-core host costs milliseconds a step."""
         buf = torch.empty(n, dtype=torch.int64, pin_memory=device.type == "cuda")
         ids, out, at = values.numpy(), buf.numpy(), 0
@@ -399,7 +462,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
             np.add(ids[p.start:p.end], np.int64(self._offset[p.table]),
                    out=out[at:at + p.end - p.start])
             at += p.end - p.start
-        return buf.to(device, non_blocking=True) if device.type == "cuda" else buf
+        return buf
 
     def _stacked(self, table: int, ids: Tensor, trains: bool = False) -> Tensor:
         """Table `table`'s ids as rows of its group (the table's row offset added; a hashed
@@ -409,10 +472,12 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         offset = self._offset[table]
         return ids + offset if offset else ids
 
-    def _prepare(self, features, pooling: bool = True) -> Prepared:
+    def _prepare(self, features, pooling: bool = True, host: bool = False) -> Prepared:
         """A forward's input checked and laid out; `pooling`: check what the pooling needs
-        too (a prefetch only loads rows)."""
-        refuse_capture(self)
+        too (a prefetch only loads rows); `host`: a host batch's ids left in pinned host
+        buffers (``_Ahead``'s worker thread, which queues nothing on a GPU)."""
+        if not host:
+            refuse_capture(self)
         batch, at = _layout(self, features)
         _check(self, batch, at)
         weights = batch.weights
@@ -425,7 +490,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                 group.engine.check_restage()
             tick(self)
         return Prepared(weights, batch.lengths, batch.stride, at,
-                        self._group_ids(batch.values, at, self.device, forward=pooling))
+                        self._group_ids(batch.values, at, self.device, pooling, host))
 
     def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
@@ -446,10 +511,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
 
     @eager
     def forward(self, features):
-        ready, self._ready = self._ready, None
-        if ready is not None and ready[0] is features:
-            return self._forward(ready[1])  # prepared by the last step()
-        return self._forward(self._prepare(features))
+        ready = self._ahead.take(self, features)
+        return self._forward(ready if ready is not None else self._prepare(features))
 
     def _forward(self, p: Prepared) -> dict:
         for group in self.groups:  # before any group drops its staged rows
@@ -522,30 +585,20 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         """Update every table's touched rows (and state) and commit them; then prepare the
         batch ``prepare_next`` named, if any."""
         self._step_groups()
-        self._prepare_ahead()
+        self._ahead.settle(self)
 
     @eager
     def prepare_next(self, features) -> None:
-        """Name the next step's batch: the next ``step()``, once it has queued its update,
-        checks it, lays its ids out on the device and starts loading its rows (as
-        ``prefetch``), so that this host work runs while the GPU computes the step, before a
-        loop waits for it (a loss printed). The next forward of this very batch object takes
-        it as prepared; any other batch is prepared as usual. A bad batch raises in its own
-        forward, not in ``step()``. ``speedtorch_ops.Prefetcher`` calls this for a loader's
-        batches. Collections with a hashed table prepare in the forward (it gives rows)."""
-        self._named = features
-
-    def _prepare_ahead(self) -> None:
-        named, self._named = self._named, None
-        if named is None or self.hashed or (
-                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return
-        try:
-            prepared = self._prepare(named)
-        except Exception:  # noqa: BLE001 - raised again by the batch's own forward
-            return
-        self._ready = (named, prepared)
-        self._prefetch(prepared.grouped)
+        """Name the next step's batch (ids on the host): a worker thread checks it and lays
+        its ids out in pinned buffers at once (NumPy, which lets this thread run the step
+        meanwhile); the next ``step()``, once it has queued its update, sends them to the
+        device and starts loading their rows (as ``prefetch``) if the worker is done. The
+        next forward of this very batch object takes it as prepared (waiting for the worker
+        if need be); any other batch is prepared as usual. A bad batch raises in its own
+        forward. ``speedtorch_ops.Prefetcher`` calls this for a loader's batches. Batches on a
+        GPU, and collections with a hashed table (a forward gives rows), prepare in the
+        forward."""
+        self._ahead.name(self, features)
 
     def _step_groups(self) -> None:
         """Each group's step(). Inside a CUDA graph capture a failing one drops every group's

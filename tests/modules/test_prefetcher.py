@@ -69,20 +69,21 @@ def test_training_through_a_prefetcher_equals_training_without(device, hashed, g
     assert len(so.Prefetcher(batches, a)) == 6
 
 
-def test_the_step_before_prepares_the_batch_and_its_forward_takes_it(gen):
-    """Each forward after the first takes the batch its previous step() prepared (a hashed
-    collection prepares in the forward)."""
+def test_each_forward_after_the_first_takes_the_batch_prepared_ahead(gen):
+    """The worker thread prepares each named batch; its forward takes that preparation (a
+    hashed collection prepares in the forward)."""
     for hashed in (False, True):
-        ebc, made_in_step, taken = make("cpu", hashed), set(), []
-        prepare, forward, ahead = ebc._prepare, ebc._forward, ebc._prepare_ahead
+        ebc, ahead, taken = make("cpu", hashed), [], []
+        prepare, forward = ebc._prepare, ebc._forward
 
-        def spy_ahead():
-            ebc._prepare = lambda *a, **k: made_in_step.add(id(out := prepare(*a, **k))) or out
-            ahead()
-            ebc._prepare = prepare
+        def spy_prepare(features, pooling=True, host=False):
+            out = prepare(features, pooling, host)
+            if host:
+                ahead.append(out.at)  # the layout dict: the same object once on the device
+            return out
 
-        ebc._prepare_ahead = spy_ahead
-        ebc._forward = lambda p: taken.append(id(p) in made_in_step) or forward(p)
+        ebc._prepare = spy_prepare
+        ebc._forward = lambda p: taken.append(any(p.at is a for a in ahead)) or forward(p)
         train(ebc, so.Prefetcher(loader(gen, 4, hashed), ebc), "cpu")
         assert taken == ([False] * 4 if hashed else [False, True, True, True])
 
