@@ -332,7 +332,7 @@ class ModuleTraining:
         # the larger) first: v's load then waits for v's planning only, not for u's too.
         # Without caches both forwards go first: each prefetch then moves every row of the next
         # batch, and started before u's forward it slowed the step. See docs/decisions.md,
-        # "The demo's prefetch order".
+        # "The demo's prefetch" (its order).
         ahead = following is not None
         if ahead and self.v.store.cached_bytes() > 0:
             vc, vn = self.v(ctx, negs)
