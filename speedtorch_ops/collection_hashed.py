@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .training.checkpoint import save_rows
 from .training.hashed import HashedRows
 
 
@@ -96,15 +97,30 @@ def reset_hashed(coll, k: int, init) -> None:
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
-SCORES = ("ids", "count", "last_step", "clock")
+SCORES = ("ids", "count", "last_step", "clock", "version")
+INCREMENT = ("removed", "since")  # an increment's own entries
 
 
-def save_hashed(coll, k: int, whole: dict, destination: dict, prefix: str) -> None:
-    """Hashed table `k`'s entries: its ids (ascending), their rows and state, and the scores."""
+def save_hashed(coll, k: int, whole: dict, destination: dict, prefix: str,
+                since: Optional[dict] = None) -> None:
+    """Hashed table `k`'s entries: its ids (ascending), their rows and state, and the scores;
+    with `since` (a save of this collection) only the ids changed after it, the ids evicted
+    after it (``<table>.removed``) and the version it follows (``<table>.since``)."""
     rows = coll.hashed[k]
-    ids, held = rows.held_rows()
-    place = coll.place(k)
     name = coll.tables[k].name
+    if since is None:
+        ids, held = rows.held_rows()
+    else:
+        key = f"{prefix}{name}.version"
+        if key not in since:
+            raise KeyError(f"since: no {key!r}: pass a state_dict of this collection (a full "
+                           "save or an increment)")
+        base = int(torch.as_tensor(since[key]))
+        held, gone = rows.changes(base)
+        ids = rows.id_of[held]
+        destination[f"{prefix}{name}.removed"] = torch.from_numpy(gone)
+        destination[f"{prefix}{name}.since"] = torch.tensor(base)
+    place = coll.place(k)
     at = torch.from_numpy(held + place.offset)
     group_rows = coll.groups[place.group].num_embeddings
     for key, value in whole.items():
@@ -135,6 +151,64 @@ def hashed_piece(coll, k: int, value, here: Tensor, name: str, errors: list):
     return torch.cat([value.to(here.device, here.dtype), here[ids.numel():]])
 
 
+def load_increment(coll, inc: dict) -> None:
+    """An increment (``save_hashed`` with `since`) applied to collection `coll`, which holds the
+    save it follows: every hashed part checked first (nothing is written on an error), the rest
+    (dense tables, the groups' scalars) loaded as a state_dict, then each hashed table's
+    evicted ids dropped and its changed ids' rows, state and scores written."""
+    errors, parts, own = [], {}, set()
+    for k, rows in coll.hashed.items():
+        name = coll.tables[k].name
+        group = coll.groups[coll.place(k).group]
+        whole: dict = {}
+        save_rows(group.engine, whole)
+        row_keys = [key for key, v in whole.items()
+                    if v.dim() >= 1 and v.shape[0] == group.num_embeddings]
+        names = [f"{name}.{key}" for key in (*SCORES, *INCREMENT, *row_keys)]
+        own.update(names)
+        missing = [n for n in names if n not in inc]
+        if missing:
+            errors.append(f"{missing[0]}: missing (an increment holds every hashed table's)")
+            continue
+        since = int(torch.as_tensor(inc[f"{name}.since"]))
+        ids = inc[f"{name}.ids"]
+        why = (f"{name}.since: the increment follows version {since}, the table is at "
+               f"{rows.version}: apply increments in order, onto the save they follow"
+               if since != rows.version else rows.check_upsert(ids, inc[f"{name}.removed"]))
+        for key in ("count", "last_step", *row_keys):
+            value = inc[f"{name}.{key}"]
+            want = (ids.numel(), *(whole[key].shape[1:] if key in whole else ()))
+            if why is None and (not isinstance(value, Tensor) or tuple(value.shape) != want):
+                why = f"{name}.{key}: shape {want}, got {_shape(value)}"
+        if why is not None:
+            errors.append(why)
+            continue
+        parts[k] = row_keys
+    if errors:
+        raise RuntimeError("load_increment: " + "; ".join(errors) + ". Nothing was written.")
+    coll.load_state_dict({n: v for n, v in inc.items() if n not in own}, strict=False)
+    for k, row_keys in parts.items():
+        _apply(coll, k, inc, row_keys)
+
+
+def _apply(coll, k: int, inc: dict, row_keys: list) -> None:
+    rows, name = coll.hashed[k], coll.tables[k].name
+    rows.sync()  # a GPU's last commit may still write the rows
+    at = rows.upsert(inc[f"{name}.ids"], inc[f"{name}.removed"], inc[f"{name}.count"],
+                     inc[f"{name}.last_step"], int(torch.as_tensor(inc[f"{name}.clock"])),
+                     int(torch.as_tensor(inc[f"{name}.version"])))
+    where = torch.from_numpy(at + rows.offset)
+    whole: dict = {}
+    save_rows(coll.groups[coll.place(k).group].engine, whole)  # views of the host table
+    with torch.no_grad():
+        for key in row_keys:
+            whole[key].index_copy_(0, where, inc[f"{name}.{key}"].to(whole[key].dtype))
+
+
+def _shape(value) -> str:
+    return str(tuple(value.shape)) if isinstance(value, Tensor) else type(value).__name__
+
+
 def check_hashed_load(coll, state_dict: dict, prefix: str, errors: list, known: set) -> dict:
     """{table position: its ids} of the hashed tables whose ids `state_dict` holds, their
     scores checked (errors appended); sets ``coll.hashed_load`` for ``hashed_piece``."""
@@ -161,5 +235,6 @@ def load_hashed(coll, state_dict: dict, prefix: str, found: dict) -> None:
     for k, ids in found.items():
         name = f"{prefix}{coll.tables[k].name}."
         coll.hashed[k].load(ids, state_dict[name + "count"], state_dict[name + "last_step"],
-                            int(torch.as_tensor(state_dict[name + "clock"])))
+                            int(torch.as_tensor(state_dict[name + "clock"])),
+                            int(torch.as_tensor(state_dict[name + "version"])))
     coll.hashed_load = {}

@@ -5,6 +5,7 @@ groups that hold them, every entry checked before any group loads."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -14,15 +15,16 @@ from .training.checkpoint import load_rows, same_view, save_rows
 from .training.update import OPTIONAL_STATE, ROUNDING_STATE
 
 
-def save_collection(coll, destination: dict, prefix: str) -> None:
+def save_collection(coll, destination: dict, prefix: str, since: Optional[dict] = None) -> None:
     """Every table's entries of collection `coll` under `prefix`: views of its group's (a
-    hashed table's: its held rows, with its ids and scores)."""
+    hashed table's: its held rows, with its ids and scores; with `since`, a save of `coll`,
+    only the rows changed after it: ``save_hashed``)."""
     for g, group in enumerate(coll.groups):
         whole: dict = {}
         save_rows(group.engine, whole)
         for k in coll.tables_of(g):
             if k in coll.hashed:
-                save_hashed(coll, k, whole, destination, prefix)
+                save_hashed(coll, k, whole, destination, prefix, since)
                 continue
             place = coll.place(k)
             for key, value in whole.items():

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from .collection_hashed import hashed_stats, pad_row, reset_hashed
+from .collection_hashed import hashed_stats, load_increment, pad_row, reset_hashed
+from .collection_io import save_collection
 from .table_config import table_index
 from .training.cache import cache_slots, check_cache_bytes
 from .training.table import normal_init
@@ -109,3 +110,26 @@ class CollectionTables:
                             f"state_dict() ({name}.weight, {name}.ids)")
         g = self.groups[self._group_of[k]]
         return g.weight[self._offset[k]:self._offset[k] + self._rows[k]]
+
+    def incremental_state_dict(self, since: dict) -> dict:
+        """The rows changed after the save `since` (a ``state_dict()`` of this collection, or
+        an earlier increment): each hashed table's changed ids with their rows, state and
+        scores, the ids it evicted since (``<table>.removed``) and the version it follows
+        (``<table>.since``); dense tables and the groups' scalars whole. Increments chain
+        forward: the evictions a table logged up to `since` are forgotten.
+
+        Example::
+
+            base = ebc.state_dict(); ...train...; inc = ebc.incremental_state_dict(base)
+            fresh.load_state_dict(base); fresh.load_increment(inc)
+        """
+        out: dict = {}
+        save_collection(self, out, "", since)
+        return {key: value.detach().clone() if isinstance(value, Tensor) else value
+                for key, value in out.items()}
+
+    def load_increment(self, increment: dict) -> None:
+        """Apply an ``incremental_state_dict`` onto the save it follows (an error names the
+        entry and writes nothing: ``collection_hashed.load_increment``)."""
+        load_increment(self, increment)
+

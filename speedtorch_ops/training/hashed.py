@@ -14,7 +14,7 @@ with one wait), so a hashed table trains eagerly (no CUDA graph capture yet).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -50,6 +50,12 @@ def check_hashed(name: str, capacity, admit_after, evict, on_evict) -> None:
         raise TypeError(f"table {name!r}: on_evict must be callable or None, got {on_evict!r}")
 
 
+class Found(NamedTuple):
+    """``IdMap.find``'s answer: each id's row (or EMPTY) and its slot (or -1)."""
+    rows: np.ndarray
+    slots: np.ndarray
+
+
 class IdMap:
     """Int64 ids to rows: open addressing over a power-of-two number of slots (at least twice
     the rows, so probes stay short), linear probing; erased slots are skipped by a search and
@@ -62,7 +68,7 @@ class IdMap:
 
         m = IdMap(100)
         m.insert(np.array([7, -3]), np.array([0, 1]))
-        m.find(np.array([-3, 5]))[0]    # array([1, -1])
+        m.find(np.array([-3, 5])).rows    # array([1, -1])
     """
 
     def __init__(self, capacity: int):
@@ -75,8 +81,8 @@ class IdMap:
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (mix(ids) & self.mask).astype(np.int64)
 
-    def find(self, ids: np.ndarray) -> tuple:
-        """(the row of each of `ids` or EMPTY, the slot holding it or -1)."""
+    def find(self, ids: np.ndarray) -> "Found":
+        """The row of each of `ids` (or EMPTY) and the slot holding it (or -1)."""
         rows = np.full(ids.shape, EMPTY, dtype=np.int64)
         at = np.full(ids.shape, -1, dtype=np.int64)
         todo = np.arange(ids.size)
@@ -89,7 +95,7 @@ class IdMap:
             rows[todo[hit]], at[todo[hit]] = row[hit], slot[hit]
             todo = todo[~(hit | (row == EMPTY))]
             step += 1
-        return rows, at
+        return Found(rows, at)
 
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Hold distinct `ids` (none held already) at `rows`."""
@@ -208,6 +214,9 @@ class HashedRows:
         self.free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: pop the end
         self.used = np.zeros(capacity, dtype=bool)  # rows holding an id
         self.clock = 0  # training forwards so far
+        self.version = 0  # rises with every change of the rows (a forward, a reset, a load)
+        self.stamp = np.zeros(capacity, dtype=np.int64)  # the version of a row's last change
+        self.removed: list = []  # (version, ids) of each eviction: an increment's tombstones
         self.stats = {"admitted": 0, "evicted": 0, "not_admitted": 0}
         self.sync: Callable[[], None] = lambda: None  # waits for writes queued to the rows
 
@@ -220,6 +229,7 @@ class HashedRows:
         """A training forward begins: rows touched from now on are this step's, never
         evicted by it."""
         self.clock += 1
+        self.version += 1
 
     def rows_for(self, ids: np.ndarray, training: bool) -> np.ndarray:
         """The row of each of `ids` (int64) in ``[0, capacity)``, or -1 where it has none. A
@@ -229,6 +239,7 @@ class HashedRows:
         if training and uniq.size:
             hit = rows >= 0
             self.last[rows[hit]] = self.clock
+            self.stamp[rows[hit]] = self.version
             self.count[rows[hit]] += counts[hit]
             new = np.flatnonzero(~hit)
             if self.sketch is not None and new.size:
@@ -257,6 +268,8 @@ class HashedRows:
         if victims.size:
             self.sync()  # the rows may still be written by the last step's commit
             self._hand_over(victims)
+            self.removed.append((self.version, self.id_of[victims].copy()))
+            self.used[victims] = False
             _, slots = self.map.find(self.id_of[victims])
             self.map.erase(slots)
             self.stats["evicted"] += victims.size
@@ -304,6 +317,7 @@ class HashedRows:
         """Rows given to new `ids`: the weight at its initial value, the state at its fills,
         the scores begun."""
         self.id_of[rows], self.count[rows], self.last[rows] = ids, counts, self.clock
+        self.stamp[rows] = self.version
         self.used[rows] = True
         self.stats["admitted"] += rows.size
         self.write_start(rows)
@@ -313,14 +327,14 @@ class HashedRows:
         """`rows` (of the table's) at a new row's values: zero or ``init``, state filled."""
         at = torch.from_numpy(rows + self.offset)
         weight = self.table.view("weight")
-        start = torch.zeros((rows.size, weight.shape[1]), dtype=weight.dtype)
-        if self.init is not None:
+        if self.init is None:
+            weight.index_fill_(0, at, 0)
+        else:
+            start = torch.zeros((rows.size, weight.shape[1]), dtype=weight.dtype)
             self.init(start)
-        weight.index_copy_(0, at, start)
+            weight.index_copy_(0, at, start)
         for key, fill in self.table.fills.items():
-            field = self.table.view(key)
-            field.index_copy_(0, at, torch.full((rows.size, *field.shape[1:]), fill,
-                                                dtype=field.dtype))
+            self.table.view(key).index_fill_(0, at, fill)
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -333,7 +347,59 @@ class HashedRows:
     def scores(self, rows: np.ndarray) -> dict:
         return {"count": torch.from_numpy(self.count[rows].copy()),
                 "last_step": torch.from_numpy(self.last[rows].copy()),
-                "clock": torch.tensor(self.clock)}
+                "clock": torch.tensor(self.clock), "version": torch.tensor(self.version)}
+
+    def touch_all(self) -> None:
+        """Every held row changed (a reset): the next increment holds them all."""
+        self.version += 1
+        self.stamp[self.used] = self.version
+
+    def changes(self, since: int) -> tuple:
+        """(the rows changed after version `since`, ascending by id; the ids evicted after
+        it). Evictions at or before `since` are forgotten: increments chain forward."""
+        self.removed = [(v, ids) for v, ids in self.removed if v > since]
+        ids, rows = self.held_rows()
+        keep = self.stamp[rows] > since
+        gone = np.concatenate([i for _, i in self.removed] or [np.zeros(0, np.int64)])
+        return rows[keep], gone
+
+    def check_upsert(self, ids: Tensor, gone: Tensor) -> Optional[str]:
+        """Why an increment's `ids` (changed) and `gone` (evicted) cannot apply (None: they
+        can): ids distinct int64, and room for the new ones."""
+        for key, value in (("ids", ids), ("removed", gone)):
+            if not isinstance(value, Tensor) or value.dim() != 1 or value.dtype != torch.int64:
+                return f"{self.name}.{key}: a 1-D int64 tensor, got {_described(value)}"
+        if np.unique(ids.numpy()).size != ids.numel():
+            return f"{self.name}.ids: the ids must be distinct"
+        held_gone = int((self.map.find(gone.numpy()).rows >= 0).sum()) if gone.numel() else 0
+        stays = (self.map.find(ids.numpy()).rows >= 0) & ~np.isin(ids.numpy(), gone.numpy())
+        new = int((~stays).sum())
+        if self.held - held_gone + new > self.capacity:
+            return (f"{self.name}.ids: {new} new ids do not fit a table of capacity "
+                    f"{self.capacity} holding {self.held - held_gone}")
+        return None
+
+    def upsert(self, ids: Tensor, gone: Tensor, count: Tensor, last: Tensor, clock: int,
+               version: int) -> np.ndarray:
+        """Apply an increment (checked by ``check_upsert``) taken at `clock` and `version`:
+        `gone` ids dropped, `ids` given rows (their own where they hold one) with their scores;
+        their rows, for the caller to write."""
+        rows, slots = self.map.find(gone.numpy())
+        if (rows >= 0).any():
+            self.map.erase(slots[rows >= 0])
+            self.used[rows[rows >= 0]] = False
+            self.free = np.concatenate([self.free, rows[rows >= 0][::-1]])
+        self.clock, self.version = max(self.clock, int(clock)), int(version)
+        want = ids.numpy().copy()
+        rows, _ = self.map.find(want)
+        new = np.flatnonzero(rows < 0)
+        if new.size:
+            rows[new] = self.free[self.free.size - new.size:][::-1]
+            self.free = self.free[:self.free.size - new.size]
+            self.map.insert(want[new], rows[new])
+        self.id_of[rows], self.used[rows], self.stamp[rows] = want, True, self.version
+        self.count[rows], self.last[rows] = count.numpy(), last.numpy()
+        return rows
 
     def check_load(self, ids: Tensor, count: Tensor, last: Tensor) -> Optional[str]:
         """Why `ids` and their scores cannot load (None: they can)."""
@@ -349,7 +415,8 @@ class HashedRows:
                 return f"{self.name}.{key}: shape {tuple(ids.shape)}, got {_described(value)}"
         return None
 
-    def load(self, ids: Tensor, count: Tensor, last: Tensor, clock: int) -> None:
+    def load(self, ids: Tensor, count: Tensor, last: Tensor, clock: int,
+             version: Optional[int] = None) -> None:
         """Hold `ids` at rows 0, 1, ... (their rows already written there) with their scores;
         checked first by ``check_load``."""
         n = ids.numel()
@@ -363,6 +430,10 @@ class HashedRows:
         self.used[:] = False
         self.used[:n] = True
         self.clock = max(int(clock), int(self.last[:n].max()) if n else 0)
+        self.version = self.clock if version is None else int(version)
+        self.stamp[:] = 0
+        self.stamp[:n] = self.version
+        self.removed = []
 
 
 def _described(value) -> str:
