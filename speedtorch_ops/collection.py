@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
-from .jagged import JaggedBatch, per_key_mismatch, read_batch
+from .collection_batch import check_batch, layout_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
@@ -61,7 +61,7 @@ from .table_config import TableConfig, table_configs
 from .training.table import check_state_dtype
 from .training.cache import check_cache_bytes
 from .training.placement import resolve_dtype, upload
-from .training.plan import _INTEGER, check_bounds_mode
+from .training.plan import check_bounds_mode
 
 def _kind(t: TableConfig, dtype, state_dtype) -> tuple:
     """(width, dtype, state dtype setting) of table `t`: the tables of one kind share a group.
@@ -104,14 +104,6 @@ class _Feature:
     pooling: str
 
 
-class Span(NamedTuple):
-    """Where a feature's ids sit in a batch: its key's index, its first id's position in the
-    batch's values and the end of its ids."""
-    key: int
-    start: int
-    end: int
-
-
 class GroupIds(NamedTuple):
     """A width group's part of a batch: its features in output order, their ids as rows of the
     group (each table's row offset added) on the collection's device, and where each feature's
@@ -123,12 +115,14 @@ class GroupIds(NamedTuple):
 
 class Prepared(NamedTuple):
     """A forward's batch checked and laid out: its weights (None unweighted), lengths and
-    stride, each feature's ``Span``, and each group's ``GroupIds``."""
+    stride, each feature's ``Span``, and each group's ``GroupIds`` (None while ``values``, a
+    checked batch's pinned host ids, waits for its upload: ``_Ahead``)."""
     weights: Optional[Tensor]
     lengths: Tensor
     stride: int
     at: dict
-    grouped: list
+    grouped: Optional[list]
+    values: Optional[Tensor] = None
 
 
 class _Piece(NamedTuple):
@@ -136,85 +130,6 @@ class _Piece(NamedTuple):
     start: int
     end: int
     table: int
-
-
-def _layout(coll, features) -> tuple:
-    """(the batch's parts, where each of collection `coll`'s features' ids sit: a ``Span``) of
-    a jagged batch: every feature present. Offsets are not read: the lengths place every id
-    and bag."""
-    weighted = {f.name: coll.groups[coll.place(f.table).group].dtype for f in coll.features
-                if f.pooling == "sum"} if coll.is_weighted() else None
-    batch = read_batch(features, weighted)
-    keys = batch.keys
-    for name, t in (("values", batch.values), ("lengths", batch.lengths)):
-        if t.dtype not in _INTEGER:
-            raise TypeError(f"features: {name} must be integers, got {t.dtype}")
-    starts = np.concatenate([[0], np.cumsum(batch.length_per_key, dtype=np.int64)])
-    at = {}
-    for f in coll.features:
-        if f.name not in keys:
-            raise KeyError(f"features: no feature {f.name!r} in the batch (keys: {keys})")
-        i = keys.index(f.name)
-        at[f.name] = Span(i, int(starts[i]), int(starts[i + 1]))
-    return batch, at
-
-
-def _host_flags(coll, batch: JaggedBatch, at: dict) -> list:
-    """[each feature's ids out of its table's range, each key's lengths negative, each key's
-    lengths' sum] of a batch on the host, by NumPy (torch's CPU ops wake its thread pool, which
-    on a many-core host cost milliseconds a step)."""
-    values = batch.values.numpy()
-    flags = []
-    for f in coll.features:
-        span, rows = at[f.name], coll.tables[f.table].num_embeddings
-        ids = values[span.start:span.end]
-        flags.append(int(rows is not None and ids.size > 0  # a hashed table takes any id
-                         and (ids.min() < 0 or ids.max() >= rows)))
-    per_key = batch.lengths.cpu().numpy().reshape(len(batch.keys), batch.stride)
-    return flags + (per_key < 0).any(1).astype(int).tolist() + per_key.sum(1).tolist()
-
-
-def _device_flags(coll, batch: JaggedBatch, at: dict) -> list:
-    """``_host_flags`` of a batch on a GPU, read back with one wait."""
-    values = batch.values
-    flags = []
-    for f in coll.features:
-        span, rows = at[f.name], coll.tables[f.table].num_embeddings
-        ids = values[span.start:span.end]
-        flags.append(ids.new_zeros((), dtype=torch.bool) if rows is None
-                     else ((ids < 0) | (ids >= rows)).any())
-    per_key = batch.lengths.reshape(len(batch.keys), batch.stride).to(values.device)
-    return torch.cat([torch.stack(flags), (per_key < 0).any(1), per_key.sum(1)]
-                     ).to(torch.int64).cpu().tolist()
-
-
-def _check(coll, batch: JaggedBatch, at: dict) -> None:
-    """Each feature's ids of collection `coll` in its table's rows, every key's lengths >= 0
-    and summing to the batch's ids of that key (a key not read places the ids after it too),
-    naming the feature: on the host, or with one wait for a batch on a GPU (none when
-    prechecked)."""
-    values = batch.values
-    on_gpu = values.device.type == "cuda"
-    if on_gpu and coll.bounds_check == "prechecked":
-        return
-    bad = (_device_flags if values.device.type != "cpu" else _host_flags)(coll, batch, at)
-    n = len(coll.features)
-    split = n + len(batch.keys)  # ids flags, negative flags, sums
-    for key, flag in zip(batch.keys, bad[n:split]):
-        if flag:
-            raise ValueError(f"features: feature {key!r} has a negative length")
-    wrong = per_key_mismatch(batch.keys, batch.length_per_key, bad[split:])
-    if wrong:  # a batch's own count read ids of another feature
-        raise ValueError(f"features: {wrong}")
-    for k, f in enumerate(coll.features):
-        span = at[f.name]
-        if bad[k]:
-            rows = coll.tables[f.table].num_embeddings
-            ids = values[span.start:span.end].cpu()
-            p = int(torch.nonzero((ids < 0) | (ids >= rows))[0])
-            raise RuntimeError(f"feature {f.name!r}: id {int(ids[p])} at position {p} is out "
-                               f"of range for table {coll.tables[f.table].name!r} of {rows} "
-                               "rows; every id must be in [0, rows). Nothing was written.")
 
 
 def _on(flat: Tensor, device: torch.device) -> Tensor:
@@ -258,7 +173,7 @@ class _Ahead:
         last = self.named[-1]
         work = last.work
         if isinstance(work, Future) and work.done() and work.exception() is None:
-            last.work = self.on_device(work.result(), coll.device)
+            last.work = self.on_device(coll, work.result())
             if coll.device.type == "cuda":  # a CPU step reads the host table itself
                 coll._prefetch(last.work.grouped)
 
@@ -271,11 +186,17 @@ class _Ahead:
             return None
         work = self.named[at].work
         del self.named[:at + 1]
-        return self.on_device(work.result(), coll.device) if isinstance(work, Future) else work
+        return self.on_device(coll, work.result()) if isinstance(work, Future) else work
 
     @staticmethod
-    def on_device(p: Prepared, device: torch.device) -> Prepared:
-        return p._replace(grouped=[g._replace(flat=_on(g.flat, device)) for g in p.grouped])
+    def on_device(coll, p: Prepared) -> Prepared:
+        """`p`'s ids on the collection's device: its pinned batch uploaded whole and laid out
+        there (as ids that came on the GPU), or its groups' pinned ids sent."""
+        if p.grouped is None:
+            values = p.values.to(coll.device, non_blocking=True)
+            return p._replace(grouped=coll._group_ids(values, p.at, coll.device), values=None)
+        return p._replace(grouped=[g._replace(flat=_on(g.flat, coll.device))
+                                   for g in p.grouped])
 
 
 class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
@@ -478,8 +399,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         buffers (``_Ahead``'s worker thread, which queues nothing on a GPU)."""
         if not host:
             refuse_capture(self)
-        batch, at = _layout(self, features)
-        _check(self, batch, at)
+        batch, at = layout_batch(self, features)
+        check_batch(self, batch, at)
         weights = batch.weights
         for f in self.features:
             if pooling and weights is not None and f.pooling == "mean":
@@ -489,6 +410,8 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
             for group in self.groups:
                 group.engine.check_restage()
             tick(self)
+        if host and self.device.type == "cuda" and batch.values.is_pinned():
+            return Prepared(weights, batch.lengths, batch.stride, at, None, batch.values)
         return Prepared(weights, batch.lengths, batch.stride, at,
                         self._group_ids(batch.values, at, self.device, pooling, host))
 
