@@ -72,6 +72,17 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   // any stride apart), or, given a cache (slots, dim, the same way) and at (n entries, one a row
   // of rows), cache row at[index[p]] where that is a slot (0 <= at < slots): a step's lookup
   // that reads its cached rows where they live. index in [0, n) (trusted on a GPU, like at).
+  // out (rows, dim): out[r] = the sum of scale(p) * grad[bag(p)] over the positions p =
+  // perm[j], j in [starts[r], starts[r + 1]), that lie in [lo, lo + n) (in that order), for
+  // r < min(count, rows, len(starts) - 1), zero for the other rows; n = offsets[-1]. The bags:
+  // offsets (bags + 1 entries ascending from 0) put position lo + i in bag b where offsets[b]
+  // <= i < offsets[b + 1]; grad (bags, dim) their pooled outputs' gradient; scale(p)
+  // per_sample_weights[p - lo] (n of grad's dtype), else 1 / the bag's size with mean, else 1.
+  // perm, starts and count as _distinct gives them, on the CPU (no CUDA kernel). The backward
+  // of a sum- or mean-pooled lookup of staged rows: each distinct row's gradient read from the
+  // bags its positions sit in, with no dense per-position gradient and no second sort.
+  m.def("_bag_segment_sum(Tensor grad, Tensor offsets, Tensor? per_sample_weights, bool mean, "
+        "Tensor perm, Tensor starts, Tensor count, int lo, int rows) -> Tensor");
   m.def("_gather_staged(Tensor rows, Tensor index, Tensor? cache=None, Tensor? at=None) -> Tensor");
   // out (len(row_of), dim) of dtype on row_of's device: out[i] = the row row_of[i] of the
   // (., dim) contiguous rows of dtype that start `offset` bytes past address ptrs[rank_of[i]]

@@ -474,8 +474,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                 if p.weights is not None and mode == "sum":
                     psw = torch.cat([p.weights[span.start:span.end] for span in spans])
                     psw = psw.to(self.device, group.dtype)
-                pooled = F.embedding_bag(index[lo:hi], rows, torch.cat(bags), mode=mode,
-                                         per_sample_weights=psw, include_last_offset=True)
+                pooled = group.engine.pool(rows, index, lo, hi, torch.cat(bags), mode, psw)
                 # sizes, not a split size: a split of size 0 gives no piece at all
                 for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece

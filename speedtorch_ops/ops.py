@@ -165,6 +165,19 @@ def _segment_sum(grads: Sequence[Tensor], perm: Tensor, starts: Tensor, count: T
     return _ops._segment_sum.default(list(grads), perm, starts, count, rows, zero_tail)
 
 
+def _bag_segment_sum(grad: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+                     mean: bool, perm: Tensor, starts: Tensor, count: Tensor, lo: int,
+                     rows: int) -> Tensor:
+    """(rows, dim), CPU only: row r the sum, over its positions ``p = perm[starts[r]:starts[r +
+    1]]`` in ``[lo, lo + offsets[-1])``, of ``grad[bag(p)]`` (the bags: ``offsets``, bags + 1
+    entries from 0) times ``per_sample_weights[p - lo]``, 1 / the bag's size with ``mean``, or
+    1; rows from ``count`` (one int64) on zero. The backward of a sum- or mean-pooled lookup of
+    staged rows, from the step's one sort (``_distinct``'s perm and starts); not
+    differentiable."""
+    return _ops._bag_segment_sum.default(grad, offsets, per_sample_weights, mean, perm, starts,
+                                         count, lo, rows)
+
+
 def _gather_staged(rows: Tensor, index: Tensor, cache: Optional[Tensor] = None,
                  at: Optional[Tensor] = None) -> Tensor:
     """``rows[index]`` (a new contiguous tensor), except that with a ``cache`` (slots, dim) a
@@ -396,6 +409,13 @@ def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = T
     torch._check(sum(g.shape[0] for g in grads) == perm.shape[0],
                  lambda: "grads must have one row a position of perm")
     return grads[0].new_empty((rows, grads[0].shape[1]))
+
+
+@torch.library.register_fake("speedtorch_ops::_bag_segment_sum")
+def _bag_segment_sum_fake(grad, offsets, per_sample_weights, mean, perm, starts, count, lo, rows):
+    torch._check(grad.dim() == 2 and offsets.dim() == 1 and offsets.shape[0] == grad.shape[0] + 1,
+                 lambda: "grad (bags, dim) with offsets of bags + 1 entries")
+    return grad.new_empty((rows, grad.shape[1]))
 
 
 @torch.library.register_fake("speedtorch_ops::_peer_rows")

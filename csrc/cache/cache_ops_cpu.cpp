@@ -24,6 +24,60 @@ namespace {
 // The widest digit of the radix sort below: 2^11 counters (16 KiB) stay in the L1 cache.
 constexpr int kRadixBits = 11;
 
+// The radix sort of keys below 2^32 (every table's rows but the largest) and fewer than 2^32:
+// each key and its position packed in one word, the key above, so that a pass reads and
+// writes one array, not two; every pass's counts come from one read of the keys, and the last
+// pass writes the keys and positions apart, into out_k and out_p (digits as kRadixBits).
+void packed_radix_sort(const int64_t* in, int64_t n, int bits, int64_t* out_k, int64_t* out_p) {
+  const int passes = (bits + kRadixBits - 1) / kRadixBits;
+  const int digit = (bits + passes - 1) / passes;
+  const uint64_t mask = (uint64_t{1} << digit) - 1;
+  const size_t buckets = size_t{1} << digit;
+  std::vector<int64_t> start(buckets * passes, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t k = static_cast<uint64_t>(in[i]);
+    for (int pass = 0; pass < passes; ++pass) ++start[pass * buckets + ((k >> (pass * digit)) & mask)];
+  }
+  for (int pass = 0; pass < passes; ++pass) {
+    int64_t total = 0;
+    for (size_t b = 0; b < buckets; ++b) {
+      const int64_t c = start[pass * buckets + b];
+      start[pass * buckets + b] = total;
+      total += c;
+    }
+  }
+  std::unique_ptr<uint64_t[]> words(new uint64_t[n]), spare(passes > 2 ? new uint64_t[n] : nullptr);
+  uint64_t* src = nullptr;
+  uint64_t* dst = words.get();
+  for (int pass = 0; pass < passes; ++pass) {
+    int64_t* at = start.data() + pass * buckets;
+    const int shift = 32 + pass * digit;  // the key's digit within a word
+    if (pass == 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t w = (static_cast<uint64_t>(in[i]) << 32) | static_cast<uint64_t>(i);
+        dst[at[(w >> shift) & mask]++] = w;
+      }
+    } else if (pass == passes - 1) {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t w = src[i];
+        const int64_t to = at[(w >> shift) & mask]++;
+        out_k[to] = static_cast<int64_t>(w >> 32);
+        out_p[to] = static_cast<int64_t>(w & 0xffffffffu);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) dst[at[(src[i] >> shift) & mask]++] = src[i];
+    }
+    src = dst;
+    dst = dst == words.get() ? spare.get() : words.get();
+  }
+  if (passes == 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      out_k[i] = static_cast<int64_t>(src[i] >> 32);
+      out_p[i] = static_cast<int64_t>(src[i] & 0xffffffffu);
+    }
+  }
+}
+
 // (keys sorted ascending, stably; the position of each) of 1-D int64 keys. Up to a pass's
 // serial size (serial_bytes(): a key and its position a pass, read and written), a radix sort
 // on the calling thread, a pass per 11 bits of the largest key or fewer (two passes for a
@@ -53,6 +107,10 @@ std::tuple<at::Tensor, at::Tensor> stable_sort_ids(const at::Tensor& keys_in) {
   if (bits == 0) {  // every key is zero: already sorted
     std::fill(out_k, out_k + n, 0);
     for (int64_t i = 0; i < n; ++i) out_p[i] = i;
+    return {sorted, perm};
+  }
+  if (bits <= 32 && n <= (int64_t{1} << 32)) {
+    packed_radix_sort(in, n, bits, out_k, out_p);
     return {sorted, perm};
   }
   const int passes = (bits + kRadixBits - 1) / kRadixBits;

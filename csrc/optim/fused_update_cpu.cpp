@@ -59,6 +59,84 @@ template <class F> void with_pair(at::ScalarType weights, at::ScalarType state, 
   });
 }
 
+// A rule and its count of per-element states as constants: each (rule, states) pair gets its
+// own element loop, in which the rule's switch and the state loops fold away, so the loop is
+// straight-line arithmetic the compiler vectorizes (the generic loop ran scalar, and the CPU
+// step's update was bound by it, not by its rows' memory).
+template <optim::Rule kRule, int kStates> struct RuleOf {
+  static constexpr optim::Rule rule = kRule;
+  static constexpr int states = kStates;
+};
+
+template <class F> void with_rule(optim::Rule rule, int states, F&& go) {
+  using optim::Rule;
+  switch (rule) {
+    case Rule::kSgd:
+      return states > 0 ? go(RuleOf<Rule::kSgd, 1>{}) : go(RuleOf<Rule::kSgd, 0>{});
+    case Rule::kAdagrad: return go(RuleOf<Rule::kAdagrad, 1>{});
+    case Rule::kRowWiseAdagrad: return go(RuleOf<Rule::kRowWiseAdagrad, 0>{});
+    case Rule::kAdam:
+      return states > 2 ? go(RuleOf<Rule::kAdam, 3>{}) : go(RuleOf<Rule::kAdam, 2>{});
+    case Rule::kAdamW:
+      return states > 2 ? go(RuleOf<Rule::kAdamW, 3>{}) : go(RuleOf<Rule::kAdamW, 2>{});
+    case Rule::kPartialRowWiseAdam: return go(RuleOf<Rule::kPartialRowWiseAdam, 1>{});
+  }
+}
+
+// Where one row's weight, per-element states and row value live (the fields of its record),
+// none overlapping another (check_fused_update_args), nor the gradient.
+template <class W, class S, class R> struct RowFields {
+  W* __restrict__ w;
+  S* __restrict__ s[3];
+  R* value;
+};
+
+// The mean square of a row's effective gradient, summed in kLanes partial sums so that the
+// sum vectorizes (one running sum is a chain of dependent adds); the order is fixed, so a
+// row's value does not depend on the threads.
+template <optim::Rule kRule, class T, class W>
+T mean_square(const optim::Hyper& h, const W* g_row, const W* w_row, int64_t dim) {
+  constexpr int kLanes = 8;
+  T part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const T g = optim::effective_grad<T>(g_row[j + l], w_row[j + l], h, kRule);
+      part[l] += g * g;
+    }
+  }
+  T sq = 0;
+  for (int l = 0; l < kLanes; ++l) sq += part[l];
+  for (; j < dim; ++j) {
+    const T g = optim::effective_grad<T>(g_row[j], w_row[j], h, kRule);
+    sq += g * g;
+  }
+  return sq / static_cast<T>(dim);
+}
+
+// One step of rule R (a RuleOf) on one row: rules.h's formulas element by element.
+template <class Rl, class T, class W, class S, class R>
+void step_row(const optim::Hyper& h, const W* g_row, const RowFields<W, S, R>& f, int64_t dim,
+              const Stores<W>& put_w, const Stores<S>& put_s) {
+  constexpr optim::Rule kRule = Rl::rule;
+  constexpr int kStates = Rl::states;
+  T row_sum = 0;
+  if (optim::has_row_value(kRule)) {
+    row_sum = optim::row_value<T>(kRule, h, static_cast<T>(*f.value),
+                                  mean_square<kRule, T>(h, g_row, f.w, dim));
+    *f.value = static_cast<R>(row_sum);
+  }
+  for (int64_t j = 0; j < dim; ++j) {
+    T w = f.w[j];
+    const T g = optim::effective_grad<T>(g_row[j], w, h, kRule);
+    T s[3] = {0, 0, 0};
+    for (int k = 0; k < kStates; ++k) s[k] = static_cast<T>(f.s[k][j]);
+    optim::update<T>(kRule, h, g, w, s, kStates > 0, row_sum);
+    f.w[j] = put_w(w, optim::weight_element(j));
+    for (int k = 0; k < kStates; ++k) f.s[k][j] = put_s(s[k], optim::state_element(k, j));
+  }
+}
+
 void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Tensor& count,
                           const c10::optional<at::Tensor>& step, int64_t rule_arg,
                           at::ArrayRef<double> hyper, int64_t flags, at::ArrayRef<int64_t> fields,
@@ -67,12 +145,10 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
                           const c10::optional<at::Tensor>& rounding) {
   const FusedUpdateArgs checked = check_fused_update_args(
       buf, grad, count, step, rule_arg, hyper, flags, fields, state_dtype, cache, at, rounding);
-  const optim::Rule rule = checked.rule;
   const optim::Hyper h = checked.hyper;
   const int64_t n = buf.size(0), record = buf.size(1), dim = grad.size(1);
   const int64_t rows = std::clamp<int64_t>(count.item<int64_t>(), 0, n);
   const int states = static_cast<int>(fields.size()) - 2;
-  const bool momentum = rule == optim::Rule::kSgd && states > 0;
   const std::vector<int64_t> offsets(fields.begin(), fields.end());
   uint8_t* base = buf.mutable_data_ptr<uint8_t>();
   uint8_t* c_base = cache.has_value() ? cache->mutable_data_ptr<uint8_t>() : nullptr;
@@ -80,8 +156,10 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
   const int64_t* slot_at = at.has_value() ? at->const_data_ptr<int64_t>() : nullptr;
   const int64_t at_len = at.has_value() ? at->numel() : 0;
   with_pair(grad.scalar_type(), state_dtype, [&](auto w_zero, auto s_zero) {
+  with_rule(checked.rule, states, [&](auto rule_of) {
     using W = decltype(w_zero);
     using S = decltype(s_zero);
+    using Rl = decltype(rule_of);
     using T = at::opmath_type<W>;
     using R = std::conditional_t<std::is_same_v<S, double>, double, float>;  // the row value
     const W* g_base = grad.const_data_ptr<W>();
@@ -97,40 +175,19 @@ void fused_row_update_cpu(at::Tensor& buf, const at::Tensor& grad, const at::Ten
           }
         }
         const uint64_t key = optim::row_key(checked.seed, checked.counter, r);
-        const Stores<W> put_w{checked.rounds, key};
-        const Stores<S> put_s{checked.rounds, key};
-        const W* g_row = g_base + r * dim;
         // Where the row lives: its cache slot, else its staged record.
         uint8_t* home = base + r * record;
         if (c_base != nullptr && r < at_len && slot_at[r] >= 0 && slot_at[r] < slots) {
           home = c_base + slot_at[r] * record;
         }
-        W* w_row = reinterpret_cast<W*>(home + offsets[0]);
-        S* s_row[3] = {nullptr, nullptr, nullptr};
-        for (int k = 0; k < states; ++k) s_row[k] = reinterpret_cast<S*>(home + offsets[2 + k]);
-        T row_sum = 0;
-        if (optim::has_row_value(rule)) {
-          T sq = 0;
-          for (int64_t j = 0; j < dim; ++j) {
-            const T g = optim::effective_grad<T>(g_row[j], w_row[j], h, rule);
-            sq += g * g;
-          }
-          R* value = reinterpret_cast<R*>(home + offsets[1]);
-          row_sum = optim::row_value<T>(rule, h, static_cast<T>(*value),
-                                        sq / static_cast<T>(dim));
-          *value = static_cast<R>(row_sum);
-        }
-        for (int64_t j = 0; j < dim; ++j) {
-          T w = w_row[j];
-          const T g = optim::effective_grad<T>(g_row[j], w, h, rule);
-          T s[3] = {0, 0, 0};
-          for (int k = 0; k < states; ++k) s[k] = static_cast<T>(s_row[k][j]);
-          optim::update<T>(rule, h, g, w, s, momentum, row_sum);
-          w_row[j] = put_w(w, optim::weight_element(j));
-          for (int k = 0; k < states; ++k) s_row[k][j] = put_s(s[k], optim::state_element(k, j));
-        }
+        RowFields<W, S, R> f{reinterpret_cast<W*>(home + offsets[0]), {nullptr, nullptr, nullptr},
+                             offsets[1] >= 0 ? reinterpret_cast<R*>(home + offsets[1]) : nullptr};
+        for (int k = 0; k < Rl::states; ++k) f.s[k] = reinterpret_cast<S*>(home + offsets[2 + k]);
+        step_row<Rl, T>(h, g_base + r * dim, f, dim, Stores<W>{checked.rounds, key},
+                        Stores<S>{checked.rounds, key});
       }
     });
+  });
   });
 }
 

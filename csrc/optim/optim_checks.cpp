@@ -37,6 +37,31 @@ void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
   check_items(perm, "perm");
 }
 
+void check_bag_segment_sum_args(const at::Tensor& grad, const at::Tensor& offsets,
+                                const c10::optional<at::Tensor>& per_sample_weights, bool mean,
+                                const at::Tensor& perm, const at::Tensor& starts,
+                                const at::Tensor& count, int64_t lo, int64_t rows) {
+  const auto dtype = check_step_float(grad, "grad");
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous(), "grad must be a contiguous (bags, dim) "
+              "tensor, got shape ", grad.sizes());
+  check_vectors({{offsets, "offsets", at::kLong}, {perm, "perm", at::kLong},
+                 {starts, "starts", at::kLong}});
+  check_same_device(offsets, "offsets", grad, "grad");
+  TORCH_CHECK(offsets.numel() == grad.size(0) + 1, "offsets must hold one entry a bag of grad "
+              "and the end (", grad.size(0) + 1, "), got ", offsets.numel());
+  if (per_sample_weights.has_value()) {
+    check_vector(*per_sample_weights, "per_sample_weights", dtype);
+    check_same_device(*per_sample_weights, "per_sample_weights", grad, "grad");
+    TORCH_CHECK(!mean, "per_sample_weights need sum pooling (mean false), as nn.EmbeddingBag");
+  }
+  TORCH_CHECK(starts.numel() >= 1, "starts must hold at least one entry (segments + 1)");
+  check_one_int64(count, "count", grad, "grad");
+  TORCH_CHECK(lo >= 0 && lo <= perm.numel(), "lo must be a position in perm's range [0, ",
+              perm.numel(), "], got ", lo);
+  TORCH_CHECK(rows >= 0, "rows must be >= 0, got ", rows);
+  check_items(perm, "perm");
+}
+
 namespace {
 
 using optim::Rule;

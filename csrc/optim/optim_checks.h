@@ -18,6 +18,16 @@ namespace speedtorch_ops {
 void check_segment_sum_args(at::TensorList grads, const at::Tensor& perm,
                             const at::Tensor& starts, const at::Tensor& count, int64_t rows);
 
+// _bag_segment_sum: grad a contiguous (bags, dim) floating tensor (float32, float64, float16,
+// bfloat16); offsets 1-D int64 of bags + 1 entries; per_sample_weights (if given) 1-D of
+// grad's dtype, not with mean; perm, starts and count as _segment_sum's; lo >= 0; rows >= 0;
+// all contiguous on the CPU. The values of offsets, perm and the weights' count are checked by
+// the kernel as it reads them (before it writes its output).
+void check_bag_segment_sum_args(const at::Tensor& grad, const at::Tensor& offsets,
+                                const c10::optional<at::Tensor>& per_sample_weights, bool mean,
+                                const at::Tensor& perm, const at::Tensor& starts,
+                                const at::Tensor& count, int64_t lo, int64_t rows);
+
 // _fused_row_update: buf (n, record) uint8, contiguous, its data aligned to its fields' widest
 // element; grad (n, dim) contiguous floating (float32, float64, float16, bfloat16: the
 // weights' dtype) on buf's device; state_dtype float32, bfloat16 or grad's (float64 weights:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .cache import CachedRows, cache_slots, check_cache_bytes
 from .host_rows import Distinct, HostRows, Stat
-from .lookup import GradTail, guard, lookup
+from .lookup import GradTail, guard, lookup, pool
 from .optim_state import RowLayout
 from .plan import Plan, check_bounds_mode
 from .table import HostTable, check_state_dtype, state_dtype_for
@@ -319,6 +319,16 @@ class RowEngine:
         if cache is None:  # a store without a cache staged every row whole
             return lookup(rows, d, sizes, self._tail)
         return lookup(rows, d, sizes, self._tail, self.layout.of_staged(cache, "weight"), at)
+
+    def pool(self, rows: Tensor, index: Tensor, lo: int, hi: int, offsets: Tensor, mode: str,
+             weights: Optional[Tensor] = None) -> Tensor:
+        """Bags of the staged `rows` (from ``lookup_rows``) at the positions lo..hi of `index`
+        (the stage's ``distinct.inverse``) pooled, as torch's ``embedding_bag`` with
+        ``include_last_offset`` (``lookup.pool``: on the CPU the backward reads the step's
+        sort)."""
+        staged = self.staged
+        d = staged.distinct if staged is not None and staged.distinct.inverse is index else None
+        return pool(rows, index, lo, hi, offsets, mode, weights, d)
 
     def prefetch(self, tensors: list) -> None:
         """Start loading the rows of the next step's ids (see HostEmbedding.prefetch)."""

@@ -1,5 +1,6 @@
 """A step's forward reads of its staged rows, and their backward: every position's row
-(``lookup``), through a guard that refuses the gradient of a dropped step (``guard``)."""
+(``lookup``), bags of them pooled (``pool``), through a guard that refuses the gradient of a
+dropped step (``guard``)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,39 @@ def lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], tail: Optional[GradT
     if not rows.requires_grad:
         return _gather(rows.detach(), d, sizes, cache, at)
     return _Lookup.apply(rows, d, list(sizes), tail, cache, at)
+
+
+class _Pool(torch.autograd.Function):
+    """Bags of the staged rows pooled (torch's ``embedding_bag``, sum or mean) over the step's
+    positions [lo, hi). Its backward sums each distinct row's gradient from the bags its
+    positions sit in, over the positions the step's ``Distinct`` sorted
+    (``ops._bag_segment_sum``): no per-position gradient and no second sort (torch's backward
+    sorts the positions again)."""
+
+    @staticmethod
+    def forward(ctx, rows, d, lo, hi, offsets, mode, weights):
+        ctx.save_for_backward(offsets, weights, d.perm, d.starts, d.count)
+        ctx.lo, ctx.rows, ctx.mean = lo, rows.shape[0], mode == "mean"
+        return F.embedding_bag(d.inverse[lo:hi], rows, offsets, mode=mode,
+                               per_sample_weights=weights, include_last_offset=True)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        offsets, weights, perm, starts, count = ctx.saved_tensors
+        return (ops._bag_segment_sum(grad.contiguous(), offsets, weights, ctx.mean, perm, starts,
+                                     count, ctx.lo, ctx.rows), None, None, None, None, None, None)
+
+
+def pool(rows: Tensor, index: Tensor, lo: int, hi: int, offsets: Tensor, mode: str,
+         weights: Optional[Tensor] = None, d: Optional[Distinct] = None) -> Tensor:
+    """Bags of ``rows[index[lo:hi]]`` pooled (``mode`` "sum" or "mean"; ``offsets``: each
+    bag's first position from lo, then hi - lo; ``weights``: per-sample weights of a sum), as
+    torch's ``embedding_bag``. With `d`, the staged step whose ``inverse`` `index` is, the
+    backward on the CPU reads the step's sort (``_Pool``); without it, on a GPU, and where the
+    weights take a gradient too, torch's own backward runs."""
+    if (d is not None and rows.requires_grad and rows.device.type == "cpu"
+            and (weights is None or not weights.requires_grad)):
+        return _Pool.apply(rows, d, lo, hi, offsets, mode, weights)
+    return F.embedding_bag(index[lo:hi], rows, offsets, mode=mode, per_sample_weights=weights,
+                           include_last_offset=True)
