@@ -115,14 +115,12 @@ class GroupIds(NamedTuple):
 
 class Prepared(NamedTuple):
     """A forward's batch checked and laid out: its weights (None unweighted), lengths and
-    stride, each feature's ``Span``, and each group's ``GroupIds`` (None while ``values``, a
-    checked batch's pinned host ids, waits for its upload: ``_Ahead``)."""
+    stride, each feature's ``Span``, and each group's ``GroupIds``."""
     weights: Optional[Tensor]
     lengths: Tensor
     stride: int
     at: dict
-    grouped: Optional[list]
-    values: Optional[Tensor] = None
+    grouped: list
 
 
 class _Piece(NamedTuple):
@@ -190,11 +188,7 @@ class _Ahead:
 
     @staticmethod
     def on_device(coll, p: Prepared) -> Prepared:
-        """`p`'s ids on the collection's device: its pinned batch uploaded whole and laid out
-        there (as ids that came on the GPU), or its groups' pinned ids sent."""
-        if p.grouped is None:
-            values = p.values.to(coll.device, non_blocking=True)
-            return p._replace(grouped=coll._group_ids(values, p.at, coll.device), values=None)
+        """`p`'s groups' ids (in pinned buffers) sent to the collection's device."""
         return p._replace(grouped=[g._replace(flat=_on(g.flat, coll.device))
                                    for g in p.grouped])
 
@@ -410,8 +404,6 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
             for group in self.groups:
                 group.engine.check_restage()
             tick(self)
-        if host and self.device.type == "cuda" and batch.values.is_pinned():
-            return Prepared(weights, batch.lengths, batch.stride, at, None, batch.values)
         return Prepared(weights, batch.lengths, batch.stride, at,
                         self._group_ids(batch.values, at, self.device, pooling, host))
 
