@@ -84,6 +84,16 @@ TORCH_LIBRARY(speedtorch_ops, m) {
   m.def("_bag_segment_sum(Tensor grad, Tensor offsets, Tensor? per_sample_weights, bool mean, "
         "Tensor perm, Tensor starts, Tensor count, int lo, int rows) -> Tensor");
   m.def("_gather_staged(Tensor rows, Tensor index, Tensor? cache=None, Tensor? at=None) -> Tensor");
+  // An id map of open addressing with linear probing over a power-of-two number of slots:
+  // keys[s] the id slot s holds where rows[s] >= 0 (its row), rows[s] -1 an empty slot, -2 an
+  // erased one (a search probes past it, an insert may take it). An id's home slot is
+  // MurmurHash3's 64-bit finalizer of it, modulo the slots.
+  // (found, slots): each of ids' row (-1: not held) and the slot holding it (-1).
+  m.def("_hash_find(Tensor keys, Tensor rows, Tensor ids) -> (Tensor, Tensor)");
+  // Each of ids (distinct, none held: the caller's contract) into the first free slot from its
+  // home, with row new_rows[i] (>= 0), in order; raises writing nothing where the free slots
+  // are fewer than the ids. Returns how many erased slots it took (one int64, 0-d).
+  m.def("_hash_insert(Tensor(a!) keys, Tensor(b!) rows, Tensor ids, Tensor new_rows) -> Tensor");
   // out (len(row_of), dim) of dtype on row_of's device: out[i] = the row row_of[i] of the
   // (., dim) contiguous rows of dtype that start `offset` bytes past address ptrs[rank_of[i]]
   // (a group's buffers, each rank's read in place: torch's symmetric memory on GPUs, host

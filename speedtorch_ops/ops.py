@@ -402,6 +402,35 @@ def _distinct_fake(index: Tensor, bound: int):
 
 
 @torch.library.register_fake("speedtorch_ops::_segment_sum")
+def _hash_find(keys: Tensor, rows: Tensor, ids: Tensor) -> tuple:
+    """(each of `ids`' row, -1 where it has none; the slot holding it, -1), CPU only: the id
+    map of ``keys`` (the ids) and ``rows`` (their rows; -1 an empty slot, -2 an erased one),
+    1-D int64 of a power-of-two length, open addressing with linear probing from each id's
+    home slot (MurmurHash3's finalizer). Reads only; not differentiable."""
+    return _ops._hash_find.default(keys, rows, ids)
+
+
+def _hash_insert(keys: Tensor, rows: Tensor, ids: Tensor, new_rows: Tensor) -> Tensor:
+    """Insert `ids` (distinct, none held: the caller's contract) with `new_rows` into the map
+    of ``_hash_find``, each into the first free slot from its home, in order; mutates `keys`
+    and `rows`; raises writing nothing where the free slots are fewer. Returns how many erased
+    slots it took (a 0-d int64)."""
+    return _ops._hash_insert.default(keys, rows, ids, new_rows)
+
+
+@torch.library.register_fake("speedtorch_ops::_hash_find")
+def _hash_find_fake(keys, rows, ids):
+    torch._check(keys.dim() == 1 and rows.shape == keys.shape and ids.dim() == 1,
+                 lambda: "keys and rows one 1-D length, ids 1-D")
+    return ids.new_empty(ids.shape), ids.new_empty(ids.shape)
+
+
+@torch.library.register_fake("speedtorch_ops::_hash_insert")
+def _hash_insert_fake(keys, rows, ids, new_rows):
+    torch._check(new_rows.shape == ids.shape, lambda: "one new row an id")
+    return keys.new_empty(())
+
+
 def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = True):
     torch._check(len(grads) > 0, lambda: "grads must hold at least one tensor")
     torch._check(all(g.dim() == 2 and g.shape[1] == grads[0].shape[1] for g in grads),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import ops
 from .table import HostTable
 
 EMPTY, ERASED = -1, -2  # a map slot's row, where it holds none
@@ -58,8 +59,9 @@ class Found(NamedTuple):
 
 class IdMap:
     """Int64 ids to rows: open addressing over a power-of-two number of slots (at least twice
-    the rows, so probes stay short), linear probing; erased slots are skipped by a search and
-    reused by an insert, and the map is rebuilt when they pile up.
+    the rows, so probes stay short), linear probing (``ops._hash_find`` / ``_hash_insert``);
+    erased slots are skipped by a search and reused by an insert, and the map is rebuilt when
+    they pile up.
 
     Args:
         capacity: the most ids held at once.
@@ -73,48 +75,24 @@ class IdMap:
 
     def __init__(self, capacity: int):
         self.slots = 1 << max(6, (2 * capacity - 1).bit_length())
-        self.mask = np.uint64(self.slots - 1)
         self.keys = np.zeros(self.slots, dtype=np.int64)
         self.rows = np.full(self.slots, EMPTY, dtype=np.int64)
         self.held, self.erased = 0, 0
 
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (mix(ids) & self.mask).astype(np.int64)
-
     def find(self, ids: np.ndarray) -> "Found":
         """The row of each of `ids` (or EMPTY) and the slot holding it (or -1)."""
-        rows = np.full(ids.shape, EMPTY, dtype=np.int64)
-        at = np.full(ids.shape, -1, dtype=np.int64)
-        todo = np.arange(ids.size)
-        home = self._home(ids)
-        step = 0
-        while todo.size:
-            slot = (home[todo] + step) & (self.slots - 1)
-            row = self.rows[slot]
-            hit = (row >= 0) & (self.keys[slot] == ids[todo])
-            rows[todo[hit]], at[todo[hit]] = row[hit], slot[hit]
-            todo = todo[~(hit | (row == EMPTY))]
-            step += 1
-        return Found(rows, at)
+        rows, slots = ops._hash_find(torch.from_numpy(self.keys), torch.from_numpy(self.rows),
+                                     torch.from_numpy(np.ascontiguousarray(ids, np.int64)))
+        return Found(rows.numpy(), slots.numpy())
 
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Hold distinct `ids` (none held already) at `rows`."""
         if self.held + self.erased + ids.size > self.slots * 3 // 4:
             self._rebuild(extra=ids.size)
-        todo, home, step = np.arange(ids.size), self._home(ids), np.zeros(ids.size, np.int64)
-        while todo.size:
-            slot = (home[todo] + step[todo]) & (self.slots - 1)
-            free = np.flatnonzero(self.rows[slot] < 0)
-            # Of the ids probing one free slot, the first takes it; the rest probe on.
-            _, first = np.unique(slot[free], return_index=True)
-            won = free[first]
-            taken = slot[won]
-            self.erased -= int((self.rows[taken] == ERASED).sum())
-            self.keys[taken], self.rows[taken] = ids[todo[won]], rows[todo[won]]
-            left = np.ones(todo.size, dtype=bool)
-            left[won] = False
-            step[todo[left]] += 1
-            todo = todo[left]
+        reused = ops._hash_insert(torch.from_numpy(self.keys), torch.from_numpy(self.rows),
+                                  torch.from_numpy(np.ascontiguousarray(ids, np.int64)),
+                                  torch.from_numpy(np.ascontiguousarray(rows, np.int64)))
+        self.erased -= int(reused)
         self.held += ids.size
 
     def erase(self, slots: np.ndarray) -> None:
@@ -138,7 +116,6 @@ class IdMap:
         ids, rows = self.items()
         while (ids.size + extra) > self.slots * 3 // 4:
             self.slots *= 2
-        self.mask = np.uint64(self.slots - 1)
         self.keys = np.zeros(self.slots, dtype=np.int64)
         self.rows = np.full(self.slots, EMPTY, dtype=np.int64)
         self.held = self.erased = 0
@@ -326,15 +303,18 @@ class HashedRows:
     def write_start(self, rows: np.ndarray) -> None:
         """`rows` (of the table's) at a new row's values: zero or ``init``, state filled."""
         at = torch.from_numpy(rows + self.offset)
-        weight = self.table.view("weight")
-        if self.init is None:
-            weight.index_fill_(0, at, 0)
-        else:
+        # One record (a zero weight, the state at its fills) copied whole into each row: the
+        # fields' strided views would fill one element at a time.
+        host, layout = self.table.host, self.table.layout
+        record = torch.zeros((1, 1, host.shape[2]), dtype=host.dtype)
+        for key, fill in self.table.fills.items():
+            layout.of_table(record, key).fill_(fill)
+        host.index_put_((at,), record[0])
+        if self.init is not None:
+            weight = self.table.view("weight")
             start = torch.zeros((rows.size, weight.shape[1]), dtype=weight.dtype)
             self.init(start)
             weight.index_copy_(0, at, start)
-        for key, fill in self.table.fills.items():
-            self.table.view(key).index_fill_(0, at, fill)
 
     # ---- checkpoints ---------------------------------------------------------------------
 

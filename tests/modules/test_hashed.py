@@ -22,7 +22,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not HAS_CUDA, reason="hashed tables on the GPU: the GPU machine"))]
 OPTIMIZERS = {"SGD": (torch.optim.SGD, {"lr": 0.3}),
               "SGD-momentum": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
-              "Adagrad": (torch.optim.Adagrad, {"lr": 0.4})}
+              "Adagrad": (torch.optim.Adagrad, {"lr": 0.4}),
+              # a state that starts away from zero: a reused row's state must start there too
+              "Adagrad-init": (torch.optim.Adagrad, {"lr": 0.4, "initial_accumulator_value": 0.3})}
 
 
 class Reference:
