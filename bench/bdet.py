@@ -29,7 +29,9 @@ in turn (theirs interleave the two systems step by step).
   and captured (CapturedStep: the ids already on the GPU, checked there with one wait within
   the timed step; run last, stopping at the first failure, which can spoil the CUDA state);
   captured-prefetch: captured, each step also prefetching the next batch's rows (the batches
-  cycle), as a training pipeline that knows its next batch can.
+  cycle), as a training pipeline that knows its next batch can. --hashed: ours with hashed
+  tables (TableConfig(num_embeddings=None, capacity=--cap)) fed each id as a random-looking
+  int64 key (a fixed bijection, ``keyed``): eager, uncached (a hashed group has no cache yet).
 
 Output: a table, --out JSON (per run: mean / median / p90 ms and each timed step's, the hit rate
 over the timed steps beside the best static cache's (each table's most drawn rows, as many as
@@ -234,8 +236,9 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
     keys = [f"t{k}" for k in range(a.tables)]
     kwargs = {"lr": LR, "eps": EPS, "betas": BETAS, **({"capturable": True} if cuda else {})}
     dtype = getattr(torch, a.dtype)
+    sizes = dict(num_embeddings=None, capacity=a.cap) if a.hashed else dict(num_embeddings=a.cap)
     ebc = so.HostEmbeddingCollection(
-        [so.TableConfig(name=k, num_embeddings=a.cap, embedding_dim=a.dim, pooling="none")
+        [so.TableConfig(name=k, embedding_dim=a.dim, pooling="none", **sizes)
          for k in keys], optimizer=torch.optim.Adam, optimizer_kwargs=kwargs, device=device,
         cache_bytes=cache_bytes if cuda else 0, bounds_check="prechecked", dtype=dtype,
         stochastic_rounding=a.rounding == "stochastic")
@@ -259,7 +262,8 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
                                     length_per_key=[a.ids_per_table] * len(keys))
 
     if mode == "eager":
-        kjts = [so.KeyedJaggedTensor.from_lengths_sync(keys, ids[i], lengths)
+        kjts = [so.KeyedJaggedTensor.from_lengths_sync(keys, keyed(ids[i]) if a.hashed
+                                                       else ids[i], lengths)
                 for i in range(a.steps)]
         step = lambda i: train(kjts[i])  # noqa: E731
     elif mode == "captured":
@@ -294,6 +298,13 @@ def run_ours(a, ids, grad, fixed_grad, device, mode, cache_bytes):
         "host_loads", "prefetched_loads", "deferred_loads", "prefetched_rows", "evictions",
         "direct_writebacks", "host_bytes")}
     return {**result, "hit_rate": hit, "per_step": moved}
+
+
+def keyed(ids: torch.Tensor) -> torch.Tensor:
+    """--hashed: each id as a random-looking int64 key, by a fixed bijection (an odd multiplier
+    mod 2^64, then x ^ (x >> 29) unsigned), so a hashed table cannot index by the id."""
+    x = ids * -7046029254386353131  # 0x9E3779B97F4A7C15, wrapping
+    return x ^ ((x >> 29) & ((1 << 35) - 1))
 
 
 def row_bytes(a) -> int:
@@ -380,6 +391,10 @@ def main():
                    help="ours' modes: eager, captured, captured-prefetch (captured, each step "
                         "prefetching the next batch's rows, as a training pipeline can)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run of the code")
+    p.add_argument("--hashed", action="store_true",
+                   help="ours with hashed tables (capacity --cap, any int64 id), each id mapped "
+                        "to a random-looking key; eager only, no row cache (a hashed group has "
+                        "none yet)")
     p.add_argument("--lane-sms", type=int, default=None,
                    help="the SMs the cache's loads (and a prefetch's) may use (CachedRows.lane_sms; "
                         "default: the store's)")
@@ -441,6 +456,8 @@ def main():
     if "baseline" in a.systems:
         attempt({"system": "baseline", "mode": "captured" if device.type == "cuda" else "eager"},
                 lambda: run_baseline(a, ids, grad, fixed_grad, device))
+    if a.hashed and (set(a.mode) != {"eager"} or set(a.cfr) != {"all"}):
+        p.error("--hashed runs --mode eager --cfr all (a hashed table trains eagerly, uncached)")
     for mode in [m for m in ("eager", "captured", "captured-prefetch")
                  if m in a.mode and "ours" in a.systems]:
         if mode.startswith("captured") and device.type != "cuda":
