@@ -115,8 +115,9 @@ class CollectionTables:
         """The rows changed after the save `since` (a ``state_dict()`` of this collection, or
         an earlier increment): each hashed table's changed ids with their rows, state and
         scores, the ids it evicted since (``<table>.removed``) and the version it follows
-        (``<table>.since``); dense tables and the groups' scalars whole. Increments chain
-        forward: the evictions a table logged up to `since` are forgotten.
+        (``<table>.since``); dense tables and the groups' scalars whole. `since` must be the
+        latest save (a ``state_dict()`` or an increment; an older one raises), which this
+        increment then replaces as the latest.
 
         Example::
 

@@ -193,7 +193,11 @@ class HashedRows:
         self.clock = 0  # training forwards so far
         self.version = 0  # rises with every change of the rows (a forward, a reset, a load)
         self.stamp = np.zeros(capacity, dtype=np.int64)  # the version of a row's last change
-        self.removed: list = []  # (version, ids) of each eviction: an increment's tombstones
+        # (version, ids) of each eviction since the latest save (``mark``, its version; None
+        # before any): the next increment's tombstones. Kept only after a save, so a run that
+        # never saves keeps none.
+        self.removed: list = []
+        self.mark: Optional[int] = None
         self.stats = {"admitted": 0, "evicted": 0, "not_admitted": 0}
         self.sync: Callable[[], None] = lambda: None  # waits for writes queued to the rows
 
@@ -236,20 +240,21 @@ class HashedRows:
         this step, handed to ``on_evict`` first."""
         take = min(n, self.free.size)
         rows = self.free[self.free.size - take:][::-1].copy()
-        self.free = self.free[:self.free.size - take]
-        if take == n:
-            return rows
-        held = self.id_of_rows()
-        older = held[self.last[held] < self.clock]
-        victims = older[self._lowest(older, n - take)]
+        victims = np.zeros(0, dtype=np.int64)
+        if take < n:
+            held = self.id_of_rows()
+            older = held[self.last[held] < self.clock]
+            victims = older[self._lowest(older, n - take)]
         if victims.size:
             self.sync()  # the rows may still be written by the last step's commit
-            self._hand_over(victims)
-            self.removed.append((self.version, self.id_of[victims].copy()))
+            self._hand_over(victims)  # may raise: nothing has changed yet
+            if self.mark is not None:
+                self.removed.append((self.version, self.id_of[victims].copy()))
             self.used[victims] = False
             _, slots = self.map.find(self.id_of[victims])
             self.map.erase(slots)
             self.stats["evicted"] += victims.size
+        self.free = self.free[:self.free.size - take]
         return np.concatenate([rows, victims])
 
     def id_of_rows(self) -> np.ndarray:
@@ -325,6 +330,9 @@ class HashedRows:
         return ids[order], rows[order]
 
     def scores(self, rows: np.ndarray) -> dict:
+        """The scores of `rows` and the table's clock and version, for a full save (which the
+        next increment follows)."""
+        self.mark, self.removed = self.version, []
         return {"count": torch.from_numpy(self.count[rows].copy()),
                 "last_step": torch.from_numpy(self.last[rows].copy()),
                 "clock": torch.tensor(self.clock), "version": torch.tensor(self.version)}
@@ -336,11 +344,16 @@ class HashedRows:
 
     def changes(self, since: int) -> tuple:
         """(the rows changed after version `since`, ascending by id; the ids evicted after
-        it). Evictions at or before `since` are forgotten: increments chain forward."""
-        self.removed = [(v, ids) for v, ids in self.removed if v > since]
-        ids, rows = self.held_rows()
+        it), `since` the latest save's version (raises otherwise: the evictions before the
+        latest save are forgotten); the increment is then the latest save."""
+        if since != self.mark:
+            raise ValueError(f"since: table {self.name!r} was last saved at version "
+                             f"{self.mark}, since names {since}: an increment follows the "
+                             "latest save (state_dict() or incremental_state_dict())")
+        _, rows = self.held_rows()
         keep = self.stamp[rows] > since
         gone = np.concatenate([i for _, i in self.removed] or [np.zeros(0, np.int64)])
+        self.mark, self.removed = self.version, []
         return rows[keep], gone
 
     def check_upsert(self, ids: Tensor, gone: Tensor) -> Optional[str]:
@@ -370,6 +383,7 @@ class HashedRows:
             self.used[rows[rows >= 0]] = False
             self.free = np.concatenate([self.free, rows[rows >= 0][::-1]])
         self.clock, self.version = max(self.clock, int(clock)), int(version)
+        self.mark, self.removed = self.version, []
         want = ids.numpy().copy()
         rows, _ = self.map.find(want)
         new = np.flatnonzero(rows < 0)
@@ -413,7 +427,7 @@ class HashedRows:
         self.version = self.clock if version is None else int(version)
         self.stamp[:] = 0
         self.stamp[:n] = self.version
-        self.removed = []
+        self.mark, self.removed = self.version, []
 
 
 def _described(value) -> str:

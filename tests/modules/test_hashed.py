@@ -380,3 +380,44 @@ def test_increments_on_a_base_give_back_the_table_exactly(device, gen):
     run(dst, steps[10:])
     for key, value in src.state_dict().items():
         assert torch.equal(value, dst.state_dict()[key]), (key, gen.initial_seed())
+
+
+def test_an_increment_follows_the_latest_save_only(gen):
+    ebc = collection("cpu", "SGD", 6)
+    old = ebc.state_dict()
+    ebc(batch(id_pool(gen, 3), torch.ones(3, dtype=torch.int64), "cpu"))["h"].sum().backward()
+    ebc.step()
+    ebc.state_dict()  # a later save: the tombstones before it are gone
+    with pytest.raises(ValueError, match="latest save"):
+        ebc.incremental_state_dict(old)
+
+
+def test_an_on_evict_that_raises_loses_no_row(gen):
+    """The callback raises on the first eviction (of a step that takes the last free row
+    too): the forward raises, every id keeps its row, no row is lost, and the next forward
+    takes the free row and evicts as usual."""
+    calls = []
+
+    def on_evict(table, ids, weights, state):
+        calls.append(ids.tolist())
+        if len(calls) == 1:
+            raise OSError("spill full")
+
+    ebc = so.HostEmbeddingBagCollection(
+        [so.TableConfig("h", None, 2, capacity=4, on_evict=on_evict)],
+        optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, device="cpu")
+
+    def train(ids):
+        out = ebc(so.KeyedJaggedTensor.from_lengths_sync(["h"], torch.tensor(ids),
+                                                         torch.ones(len(ids), dtype=torch.int64)))
+        out.values().sum().backward()
+        ebc.step()
+
+    train([1, 2, 3])
+    with pytest.raises(OSError, match="spill full"):
+        train([4, 5])
+    assert sorted(ebc.state_dict()["h.ids"].tolist()) == [1, 2, 3]
+    train([4, 5])
+    assert len(calls) == 2 and len(calls[1]) == 1
+    assert ebc.cache_stats()["tables"]["h"]["rows"] == 4
+    assert sorted(ebc.state_dict()["h.ids"].tolist())[-2:] == [4, 5]
