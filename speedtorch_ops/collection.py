@@ -155,8 +155,9 @@ class _Ahead:
     def name(self, coll, features) -> None:
         values = getattr(features, "values", None)
         values = values() if callable(values) else None
-        if coll.hashed or not isinstance(values, Tensor) or values.device.type != "cpu":
-            return
+        if (coll.hashed or not isinstance(values, Tensor) or values.device.type != "cpu"
+                or type(coll).forward is not HostEmbeddingBagCollection.forward):
+            return  # a forward of its own (sharded) does not take prepared batches
         if _Ahead._pool is None:
             _Ahead._pool = ThreadPoolExecutor(1, thread_name_prefix="speedtorch_ops-prepare")
         work = _Ahead._pool.submit(coll._prepare, features, True, True)
