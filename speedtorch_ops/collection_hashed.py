@@ -40,11 +40,14 @@ def build_hashed(coll) -> dict:
         group = coll.groups[place.group]
         rows = HashedRows(t.name, _Rows(group.engine), place.offset, t.capacity,
                           t.admit_after, t.evict, t.on_evict)
-        if group.device.type == "cuda":
-            device = group.device
-            rows.sync = lambda device=device: torch.cuda.synchronize(device)
+        rows.sync = lambda group=group: _wait_for(group.device)  # its device now (.to() moves)
         out[k] = rows
     return out
+
+
+def _wait_for(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def pad_row(coll, g: int) -> Optional[int]:
