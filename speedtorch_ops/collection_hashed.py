@@ -96,6 +96,7 @@ def reset_hashed(coll, k: int, init) -> None:
     rows = coll.hashed[k]
     rows.init = init
     rows.write_start(rows.id_of_rows())
+    rows.touch_all()  # the next increment holds every row
 
 
 # ---- checkpoints ---------------------------------------------------------------------------

@@ -382,6 +382,20 @@ def test_increments_on_a_base_give_back_the_table_exactly(device, gen):
         assert torch.equal(value, dst.state_dict()[key]), (key, gen.initial_seed())
 
 
+def test_an_increment_after_a_reset_holds_every_row(gen):
+    src, dst = collection("cpu", "SGD", 6), collection("cpu", "SGD", 6)
+    src(batch(id_pool(gen, 4), torch.ones(4, dtype=torch.int64), "cpu"))["h"].sum().backward()
+    src.step()
+    base = src.state_dict()
+    dst.load_state_dict(base)
+    src.reset_parameters({"h": lambda w: w.fill_(0.5), "d": lambda w: w.fill_(1.0)})
+    inc = src.incremental_state_dict(base)
+    assert inc["h.ids"].numel() == 4
+    dst.load_increment(inc)
+    for key, value in src.state_dict().items():
+        assert torch.equal(value, dst.state_dict()[key]), key
+
+
 def test_an_increment_follows_the_latest_save_only(gen):
     ebc = collection("cpu", "SGD", 6)
     old = ebc.state_dict()
