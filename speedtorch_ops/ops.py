@@ -178,6 +178,22 @@ def _bag_segment_sum(grad: Tensor, offsets: Tensor, per_sample_weights: Optional
                                          count, lo, rows)
 
 
+def _hash_find(keys: Tensor, rows: Tensor, ids: Tensor) -> tuple:
+    """(each of `ids`' row, -1 where it has none; the slot holding it, -1), CPU only: the id
+    map of ``keys`` (the ids) and ``rows`` (their rows; -1 an empty slot, -2 an erased one),
+    1-D int64 of a power-of-two length, open addressing with linear probing from each id's
+    home slot (MurmurHash3's finalizer). Reads only; not differentiable."""
+    return _ops._hash_find.default(keys, rows, ids)
+
+
+def _hash_insert(keys: Tensor, rows: Tensor, ids: Tensor, new_rows: Tensor) -> Tensor:
+    """Insert `ids` (distinct, none held: the caller's contract) with `new_rows` into the map
+    of ``_hash_find``, each into the first free slot from its home, in order; mutates `keys`
+    and `rows`; raises writing nothing where the free slots are fewer. Returns how many erased
+    slots it took (a 0-d int64)."""
+    return _ops._hash_insert.default(keys, rows, ids, new_rows)
+
+
 def _gather_staged(rows: Tensor, index: Tensor, cache: Optional[Tensor] = None,
                  at: Optional[Tensor] = None) -> Tensor:
     """``rows[index]`` (a new contiguous tensor), except that with a ``cache`` (slots, dim) a
@@ -401,23 +417,6 @@ def _distinct_fake(index: Tensor, bound: int):
             torch.empty_like(index), index.new_empty(index.shape[0] + 1))
 
 
-@torch.library.register_fake("speedtorch_ops::_segment_sum")
-def _hash_find(keys: Tensor, rows: Tensor, ids: Tensor) -> tuple:
-    """(each of `ids`' row, -1 where it has none; the slot holding it, -1), CPU only: the id
-    map of ``keys`` (the ids) and ``rows`` (their rows; -1 an empty slot, -2 an erased one),
-    1-D int64 of a power-of-two length, open addressing with linear probing from each id's
-    home slot (MurmurHash3's finalizer). Reads only; not differentiable."""
-    return _ops._hash_find.default(keys, rows, ids)
-
-
-def _hash_insert(keys: Tensor, rows: Tensor, ids: Tensor, new_rows: Tensor) -> Tensor:
-    """Insert `ids` (distinct, none held: the caller's contract) with `new_rows` into the map
-    of ``_hash_find``, each into the first free slot from its home, in order; mutates `keys`
-    and `rows`; raises writing nothing where the free slots are fewer. Returns how many erased
-    slots it took (a 0-d int64)."""
-    return _ops._hash_insert.default(keys, rows, ids, new_rows)
-
-
 @torch.library.register_fake("speedtorch_ops::_hash_find")
 def _hash_find_fake(keys, rows, ids):
     torch._check(keys.dim() == 1 and rows.shape == keys.shape and ids.dim() == 1,
@@ -431,6 +430,7 @@ def _hash_insert_fake(keys, rows, ids, new_rows):
     return keys.new_empty(())
 
 
+@torch.library.register_fake("speedtorch_ops::_segment_sum")
 def _segment_sum_fake(grads, perm, starts, count, rows: int, zero_tail: bool = True):
     torch._check(len(grads) > 0, lambda: "grads must hold at least one tensor")
     torch._check(all(g.dim() == 2 and g.shape[1] == grads[0].shape[1] for g in grads),
