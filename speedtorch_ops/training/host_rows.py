@@ -258,16 +258,22 @@ class HostRows:
         them in their slots too; None: whole records), and updates them in their slots. On the
         CPU this store stages whole records and the update writes the host table itself, so
         the commit writes nothing back (docs/decisions.md, "The CPU step updates the table in
-        place")."""
+        place"); with ``weights=0`` there, and no rows carried, it stages none: the caller reads
+        the host rows and only the buffer's shape counts."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
-        # Whole records, even where the update reads the state in the table: one sorted
-        # transfer with read-ahead took less than a gather of the weights alone.
-        carried = self._take_carry(buf, d, d.valid)
-        if carried is None:
-            self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
-        else:
-            self._load(buf, d, d.valid & ~carried)
+        carry = self._carry
+        in_table = (direct and weights == 0 and self.device.type == "cpu"
+                    and (carry is None or not bool(carry.loaded.any())))
+        carried = None
+        if not in_table:
+            # Whole records, even where the update reads the state in the table: one sorted
+            # transfer with read-ahead took less than a gather of the weights alone.
+            carried = self._take_carry(buf, d, d.valid)
+            if carried is None:
+                self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
+            else:
+                self._load(buf, d, d.valid & ~carried)
         # Not after taking a carry of this step's size: those rows are updated in the buffer
         # and written back, the old way.
         in_place = direct and self.device.type == "cpu" and carried is None
