@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
-from .collection_batch import check_batch, layout_batch
+from .collection_batch import check_batch, host_offsets, layout_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
@@ -460,19 +460,24 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                     for (f, _), piece in zip(mine, pick(lo, hi, sizes)):
                         outputs[f.name] = piece
                     continue
-                if lens is None:  # the bags from the lengths, which placed the features' ids
-                    lens = p.lengths.to(torch.int64)
-                    lens = (upload(lens, self.device) if lens.device.type == "cpu"
-                            else lens.to(self.device))
-                mode_lens = torch.cat([lens[span.key * stride:(span.key + 1) * stride]
-                                       for span in spans])
-                bags = [torch.cumsum(mode_lens, 0) - mode_lens,
-                        torch.full((1,), hi - lo, dtype=torch.int64, device=self.device)]
+                # The bags from the lengths, which placed the features' ids.
+                if self.device.type == "cpu" and p.lengths.device.type == "cpu":
+                    bags = host_offsets(p.lengths, spans, stride, hi - lo)
+                else:
+                    if lens is None:
+                        lens = p.lengths.to(torch.int64)
+                        lens = (upload(lens, self.device) if lens.device.type == "cpu"
+                                else lens.to(self.device))
+                    mode_lens = torch.cat([lens[span.key * stride:(span.key + 1) * stride]
+                                           for span in spans])
+                    bags = torch.cat([torch.cumsum(mode_lens, 0) - mode_lens,
+                                      torch.full((1,), hi - lo, dtype=torch.int64,
+                                                 device=self.device)])
                 psw = None
                 if p.weights is not None and mode == "sum":
                     psw = torch.cat([p.weights[span.start:span.end] for span in spans])
                     psw = psw.to(self.device, group.dtype)
-                pooled = group.engine.pool(rows, index, lo, hi, torch.cat(bags), mode, psw)
+                pooled = group.engine.pool(rows, index, lo, hi, bags, mode, psw)
                 # sizes, not a split size: a split of size 0 gives no piece at all
                 for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece

@@ -89,9 +89,26 @@ class Distinct:
         self.n = len(plan)
         (self.ids, self.inverse, self.count, self.perm,
          self.starts) = ops._distinct(index, max(rows, 1))
-        self.positions = torch.arange(self.n, device=index.device)
-        self.valid = self.positions < self.count
+        self._positions: Optional[Tensor] = None
+        self._valid: Optional[Tensor] = None
         self._key: Optional[Tensor] = None
+        if index.device.type != "cpu":  # on a GPU made now, on the stage's stream
+            self._valid = self.valid
+
+    @property
+    def positions(self) -> Tensor:
+        """0, 1, ..., n - 1 on the device (on the CPU made on first use: a step that pools in
+        the table needs none)."""
+        if self._positions is None:
+            self._positions = torch.arange(self.n, device=self.ids.device)
+        return self._positions
+
+    @property
+    def valid(self) -> Tensor:
+        """Whether each place holds a distinct id (below ``count``), as ``positions``."""
+        if self._valid is None:
+            self._valid = self.positions < self.count
+        return self._valid
 
     @property
     def key(self) -> Tensor:
@@ -277,9 +294,12 @@ class HostRows:
         # Not after taking a carry of this step's size: those rows are updated in the buffer
         # and written back, the old way.
         in_place = direct and self.device.type == "cpu" and carried is None
-        with self.counting(d.count):
-            self.stats[Stat.LOOKUPS] += d.count[0]
-            self.stats[Stat.HOST_LOADS] += d.count[0]
+        if self.device.type == "cpu":  # a number already: no tensor ops
+            self.stats.numpy()[[Stat.LOOKUPS, Stat.HOST_LOADS]] += int(d.count)
+        else:
+            with self.counting(d.count):
+                self.stats[Stat.LOOKUPS] += d.count[0]
+                self.stats[Stat.HOST_LOADS] += d.count[0]
         self._staged = Staged(d, buf, direct=in_place)
         return buf, d
 
