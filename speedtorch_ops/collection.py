@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .eager import compile_eagerly, eager
-from .collection_batch import check_batch, layout_batch
+from .collection_batch import check_batch, host_offsets, layout_batch
 from .keyed import collection_outputs
 from .modules import HostEmbedding
 from .collection_io import CheckpointNames, load_collection, save_collection
@@ -408,12 +408,15 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         return Prepared(weights, batch.lengths, batch.stride, at,
                         self._group_ids(batch.values, at, self.device, pooling, host))
 
-    def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
+    def _group_rows(self, g: int, flat: Tensor, lookup_only: bool,
+                    pool_only: bool = False) -> tuple:
         """(rows, the position of every id of `flat` in them, ``pick(lo, hi, sizes)``: the rows
-        of positions lo..hi split into pieces of `sizes`): group `g`'s staged rows."""
+        of positions lo..hi split into pieces of `sizes`): group `g`'s staged rows
+        (`lookup_only`, `pool_only`: as ``RowEngine.stage``'s)."""
         group = self.groups[g]
         engine = group.engine
-        d = engine.stage((flat,), group.trains, lookup_only=lookup_only).distinct
+        d = engine.stage((flat,), group.trains, lookup_only=lookup_only,
+                         pool_only=pool_only).distinct
         self._count(g, d)
         staged = engine.staged
         rows = engine.lookup_rows(d.inverse, staged.pad_at if staged is not None else None)
@@ -440,9 +443,12 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
             if not feats:
                 continue
             group = self.groups[g]
-            # Features without pooling alone read the rows through the engine's lookup only.
-            rows, index, pick = self._group_rows(g, flat, all(f.pooling == "none"
-                                                              for f in feats))
+            # Features without pooling alone read the rows through the engine's lookup only;
+            # pooled ones alone (weights without a gradient), through its pooling only.
+            rows, index, pick = self._group_rows(
+                g, flat, all(f.pooling == "none" for f in feats),
+                all(f.pooling != "none" for f in feats)
+                and (p.weights is None or not p.weights.requires_grad))
             for mode in ("none", "sum", "mean"):
                 mine = [(f, s) for f, s in zip(feats, starts) if f.pooling == mode]
                 if not mine:
@@ -455,19 +461,24 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
                     for (f, _), piece in zip(mine, pick(lo, hi, sizes)):
                         outputs[f.name] = piece
                     continue
-                if lens is None:  # the bags from the lengths, which placed the features' ids
-                    lens = p.lengths.to(torch.int64)
-                    lens = (upload(lens, self.device) if lens.device.type == "cpu"
-                            else lens.to(self.device))
-                mode_lens = torch.cat([lens[span.key * stride:(span.key + 1) * stride]
-                                       for span in spans])
-                bags = [torch.cumsum(mode_lens, 0) - mode_lens,
-                        torch.full((1,), hi - lo, dtype=torch.int64, device=self.device)]
+                # The bags from the lengths, which placed the features' ids.
+                if self.device.type == "cpu" and p.lengths.device.type == "cpu":
+                    bags = host_offsets(p.lengths, spans, stride, hi - lo)
+                else:
+                    if lens is None:
+                        lens = p.lengths.to(torch.int64)
+                        lens = (upload(lens, self.device) if lens.device.type == "cpu"
+                                else lens.to(self.device))
+                    mode_lens = torch.cat([lens[span.key * stride:(span.key + 1) * stride]
+                                           for span in spans])
+                    bags = torch.cat([torch.cumsum(mode_lens, 0) - mode_lens,
+                                      torch.full((1,), hi - lo, dtype=torch.int64,
+                                                 device=self.device)])
                 psw = None
                 if p.weights is not None and mode == "sum":
                     psw = torch.cat([p.weights[span.start:span.end] for span in spans])
                     psw = psw.to(self.device, group.dtype)
-                pooled = group.engine.pool(rows, index, lo, hi, torch.cat(bags), mode, psw)
+                pooled = group.engine.pool(rows, index, lo, hi, bags, mode, psw)
                 # sizes, not a split size: a split of size 0 gives no piece at all
                 for (f, _), piece in zip(mine, pooled.split([stride] * len(mine))):
                     outputs[f.name] = piece
@@ -480,6 +491,10 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
         searches, not an add a row: those pile onto a handful of counters)."""
         group = self.groups[g]
         ends, mine = getattr(self, f"_ends{g}"), getattr(self, f"_tables{g}")
+        if self.device.type == "cpu":  # no cache, no hits; NumPy wakes no thread pool
+            upto = np.searchsorted(d.ids.numpy()[:int(d.count)], ends.numpy())
+            self._table_stats.numpy()[mine.numpy(), 0] += np.diff(upto, prepend=0)
+            return
         # On the store's books: nothing in the step reads the counts. What is made there
         # stays there (the Distinct's key, made here, would be another stream's to use).
         with group.store.counting(d):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .jagged import JaggedBatch, per_key_mismatch, read_batch
 from .training.plan import _INTEGER
@@ -105,3 +106,15 @@ def check_batch(coll, batch: JaggedBatch, at: dict) -> None:
             raise RuntimeError(f"feature {f.name!r}: id {int(ids[p])} at position {p} is out "
                                f"of range for table {coll.tables[f.table].name!r} of {rows} "
                                "rows; every id must be in [0, rows). Nothing was written.")
+
+
+def host_offsets(lengths: Tensor, spans: list, stride: int, total: int) -> Tensor:
+    """``embedding_bag``'s offsets (``include_last_offset``) of the bags of the features at
+    `spans` side by side: each bag's first position among their `total` ids, then `total`. From
+    host lengths by NumPy: torch's small CPU ops cost more than they compute here."""
+    lens = lengths.numpy()
+    out = np.zeros(len(spans) * stride + 1, dtype=np.int64)
+    np.cumsum(np.concatenate([lens[s.key * stride:(s.key + 1) * stride] for s in spans]),
+              out=out[1:])
+    out[-1] = total
+    return torch.from_numpy(out)

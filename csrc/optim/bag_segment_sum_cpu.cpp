@@ -76,6 +76,20 @@ at::Tensor bag_segment_sum_cpu(const at::Tensor& grad, const at::Tensor& offsets
       TORCH_CHECK(p[j] >= 0 && p[j] < n_pos, "perm[", j, "] = ", p[j],
                   " is not a position of perm's ", n_pos);
     }
+    // Each sorted position's bag row and scale laid out in sorted order first: the sums
+    // then read them in order, and a row's items wait for one load each, not a chain of
+    // three (perm, then the bag, then its gradient row).
+    std::vector<int64_t> src(static_cast<size_t>(n_pos));
+    std::vector<T> src_scale(static_cast<size_t>(n_pos));
+    at::parallel_for(0, n_pos, grain_for(n_pos, 2 * sizeof(int64_t), 4096), [&](int64_t j0,
+                                                                               int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t i = p[j] - lo;
+        const bool mine = i >= 0 && i < n;  // else a position of another lookup of the step
+        src[j] = mine ? bag_of[i] * dim : -1;
+        src_scale[j] = mine ? scale[i] : T(0);
+      }
+    });
     at::parallel_for(0, rows, grain_for(rows, row_bytes * 2, 256), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t s0 = r < live ? std::clamp<int64_t>(st[r], 0, n_pos) : 0;
@@ -83,10 +97,10 @@ at::Tensor bag_segment_sum_cpu(const at::Tensor& grad, const at::Tensor& offsets
         // Item k: the bag of the row's k-th sorted position, unless that position belongs to
         // another lookup of the step.
         const auto item = [&](int64_t k, const scalar_t*& row, T& s) {
-          const int64_t i = p[s0 + k] - lo;
-          if (i < 0 || i >= n) return false;
-          row = g + bag_of[i] * dim;
-          s = scale[i];
+          const int64_t at = src[s0 + k];
+          if (at < 0) return false;
+          row = g + at;
+          s = src_scale[s0 + k];
           return true;
         };
         row_sums::sum_rows<T>(o + r * dim, dim, s1 - s0, item, 0);

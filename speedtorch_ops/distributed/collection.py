@@ -337,7 +337,7 @@ class ShardedHostEmbeddingBagCollection(HostEmbeddingBagCollection):
         self._generation += 1  # that forward's outputs can no longer take a backward
         return self._forward(prepared)
 
-    def _group_rows(self, g: int, flat: Tensor, lookup_only: bool) -> tuple:
+    def _group_rows(self, g: int, flat: Tensor, lookup_only: bool, pool_only=False) -> tuple:
         """The rows of every id of `flat`: routed to their owners, staged by them, sent back
         (see the module docstring)."""
         sizes = [row[g] for row in self._sizes]

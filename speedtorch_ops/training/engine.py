@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .cache import CachedRows, cache_slots, check_cache_bytes
 from .host_rows import Distinct, HostRows, Stat
-from .lookup import GradTail, guard, lookup, pool
+from .lookup import GradTail, TableRows, guard, lookup, pool
 from .optim_state import RowLayout
 from .plan import Plan, check_bounds_mode
 from .table import HostTable, check_state_dtype, state_dtype_for
@@ -51,11 +51,14 @@ class StagedStep:
     """A training forward's staged step: the buffer (parts, n + spare, width) whose first
     ``distinct.count`` rows are the step's distinct rows with their state, the distinct ids,
     and where the padding row sits in it (``pad_at``: its position, ``pad_in``: whether the
-    step holds it; both on the device) when there is a ``padding_idx``."""
+    step holds it; both on the device) when there is a ``padding_idx``; ``ids``: the plan's
+    ids, where the forward pools the rows in the host table (``RowEngine.stage``'s
+    `pool_only`)."""
     buf: Tensor
     distinct: Distinct
     pad_at: Optional[Tensor] = None
     pad_in: Optional[Tensor] = None
+    ids: Optional[Tensor] = None
 
 
 class Stage(NamedTuple):
@@ -203,23 +206,31 @@ class RowEngine:
                 "that gradient) first")
 
     def stage(self, ids: Sequence, training: bool, spare: int = 0,
-              lookup_only: bool = False) -> Stage:
+              lookup_only: bool = False, pool_only: bool = False) -> Stage:
         """Stage the distinct rows of all `ids` tensors (a staged step without a gradient yet
         is dropped first; one with a gradient raises: ``check_restage``). A `training` forward
         keeps them for step(); a read-only one writes back what max_norm renormalised, or
         nothing. `spare`: rows after the step's own (a bag's padding). `lookup_only`: the
         forward reads the rows only through ``lookup`` (no bags), which then reads a cached
-        row in its slot when the step updates it there: its weight is not staged either."""
+        row in its slot when the step updates it there: its weight is not staged either.
+        `pool_only`: the forward reads them only through ``pool`` (whose per-sample weights
+        take no gradient), which on the CPU, where the update writes the host table itself,
+        then reads the host rows (``RowLayout.weight_rows``): nothing is staged but the
+        gradient's rows (docs/decisions.md, "The CPU step updates the table in place")."""
         self.check_restage()
         self.discard()
         tensors = [torch.as_tensor(i) for i in ids]
         shapes = [t.shape for t in tensors]
         plan = self.plan(tensors)
         direct = self._direct(training)
-        self._in_place = direct and lookup_only
+        self._in_place = direct and (lookup_only or pool_only and self._pools_in_table())
         weight_bytes = self.dim * self.dtype.itemsize  # at the front of a record
         buf, d = self.store.stage(plan, spare, direct=direct,
                                   weights=0 if self._in_place else weight_bytes)
+        # Read in place only where the store updates there (a CPU store that took carried rows
+        # staged them, and writes them back).
+        in_store, _ = self.store.direct_target()
+        self._in_place = self._in_place and in_store is not None
         # The staged rows the optimizer and the backward see: on the CPU, where the count is
         # known without a wait, the distinct rows only (the rest would cost the optimizer's
         # arithmetic for nothing); on a GPU every position's (fixed shapes, no wait). The spare
@@ -237,7 +248,8 @@ class RowEngine:
             self._point_at_nothing()
             raise
         if training:
-            self.staged = StagedStep(buf, d, pad_at, pad_in)
+            self.staged = StagedStep(buf, d, pad_at, pad_in,
+                                     plan.index if self._in_place else None)
         elif self.options.max_norm is not None:
             self.store.commit()  # nn renormalises the table under no_grad too
         else:
@@ -250,6 +262,11 @@ class RowEngine:
         of the options that rewrite staged rows (max_norm, padding_idx)."""
         return (training and self.update.ready() and self.options.max_norm is None
                 and self.options.padding_idx is None)
+
+    def _pools_in_table(self) -> bool:
+        """Whether ``pool`` can read this table's rows where they live (the CPU, each record
+        whole weight rows) instead of staged ones."""
+        return self.device.type == "cpu" and self.layout.weight_rows(self.table.host) is not None
 
     def _find_padding(self, d: Distinct) -> tuple:
         """(the position of the padding row among the distinct ids, whether the step holds
@@ -325,10 +342,15 @@ class RowEngine:
         """Bags of the staged `rows` (from ``lookup_rows``) at the positions lo..hi of `index`
         (the stage's ``distinct.inverse``) pooled, as torch's ``embedding_bag`` with
         ``include_last_offset`` (``lookup.pool``: on the CPU the backward reads the step's
-        sort)."""
+        sort; after a `pool_only` stage it reads the host rows)."""
         staged = self.staged
         d = staged.distinct if staged is not None and staged.distinct.inverse is index else None
-        return pool(rows, index, lo, hi, offsets, mode, weights, d)
+        table = None
+        if d is not None and staged.ids is not None and self.device.type == "cpu":
+            weight, k = self.layout.weight_rows(self.table.host)
+            ids = staged.ids[lo:hi]
+            table = TableRows(weight, ids * k if k > 1 else ids)
+        return pool(rows, index, lo, hi, offsets, mode, weights, d, table)
 
     def prefetch(self, tensors: list) -> None:
         """Start loading the rows of the next step's ids (see HostEmbedding.prefetch)."""

@@ -89,9 +89,26 @@ class Distinct:
         self.n = len(plan)
         (self.ids, self.inverse, self.count, self.perm,
          self.starts) = ops._distinct(index, max(rows, 1))
-        self.positions = torch.arange(self.n, device=index.device)
-        self.valid = self.positions < self.count
+        self._positions: Optional[Tensor] = None
+        self._valid: Optional[Tensor] = None
         self._key: Optional[Tensor] = None
+        if index.device.type != "cpu":  # on a GPU made now, on the stage's stream
+            self._valid = self.valid
+
+    @property
+    def positions(self) -> Tensor:
+        """0, 1, ..., n - 1 on the device (on the CPU made on first use: a step that pools in
+        the table needs none)."""
+        if self._positions is None:
+            self._positions = torch.arange(self.n, device=self.ids.device)
+        return self._positions
+
+    @property
+    def valid(self) -> Tensor:
+        """Whether each place holds a distinct id (below ``count``), as ``positions``."""
+        if self._valid is None:
+            self._valid = self.positions < self.count
+        return self._valid
 
     @property
     def key(self) -> Tensor:
@@ -258,22 +275,31 @@ class HostRows:
         them in their slots too; None: whole records), and updates them in their slots. On the
         CPU this store stages whole records and the update writes the host table itself, so
         the commit writes nothing back (docs/decisions.md, "The CPU step updates the table in
-        place")."""
+        place"); with ``weights=0`` there, and no rows carried, it stages none: the caller reads
+        the host rows and only the buffer's shape counts."""
         d = self._begin_stage(plan)
         buf = self._stage_buffer(d.n + spare)
-        # Whole records, even where the update reads the state in the table: one sorted
-        # transfer with read-ahead took less than a gather of the weights alone.
-        carried = self._take_carry(buf, d, d.valid)
-        if carried is None:
-            self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
-        else:
-            self._load(buf, d, d.valid & ~carried)
+        carry = self._carry
+        in_table = (direct and weights == 0 and self.device.type == "cpu"
+                    and (carry is None or not bool(carry.loaded.any())))
+        carried = None
+        if not in_table:
+            # Whole records, even where the update reads the state in the table: one sorted
+            # transfer with read-ahead took less than a gather of the weights alone.
+            carried = self._take_carry(buf, d, d.valid)
+            if carried is None:
+                self._move(buf.unbind(0), d.ids, d.positions, d.count, load=True)
+            else:
+                self._load(buf, d, d.valid & ~carried)
         # Not after taking a carry of this step's size: those rows are updated in the buffer
         # and written back, the old way.
         in_place = direct and self.device.type == "cpu" and carried is None
-        with self.counting(d.count):
-            self.stats[Stat.LOOKUPS] += d.count[0]
-            self.stats[Stat.HOST_LOADS] += d.count[0]
+        if self.device.type == "cpu":  # a number already: no tensor ops
+            self.stats.numpy()[[Stat.LOOKUPS, Stat.HOST_LOADS]] += int(d.count)
+        else:
+            with self.counting(d.count):
+                self.stats[Stat.LOOKUPS] += d.count[0]
+                self.stats[Stat.HOST_LOADS] += d.count[0]
         self._staged = Staged(d, buf, direct=in_place)
         return buf, d
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,37 +109,55 @@ def lookup(rows: Tensor, d: Distinct, sizes: Sequence[int], tail: Optional[GradT
     return _Lookup.apply(rows, d, list(sizes), tail, cache, at)
 
 
+class TableRows(NamedTuple):
+    """A pooling's rows read where they live: the table as rows of weights (``weight``) and
+    the rows of its positions in it (``ids``)."""
+    weight: Tensor
+    ids: Tensor
+
+
 class _Pool(torch.autograd.Function):
     """Bags of the staged rows pooled (torch's ``embedding_bag``, sum or mean) over the step's
-    positions [lo, hi). Its backward sums each distinct row's gradient from the bags its
+    positions [lo, hi), or of the same rows where they live in the table (``TableRows``: the
+    rows then were not staged). Its backward sums each distinct row's gradient from the bags its
     positions sit in, over the positions the step's ``Distinct`` sorted
     (``ops._bag_segment_sum``): no per-position gradient and no second sort (torch's backward
     sorts the positions again)."""
 
     @staticmethod
-    def forward(ctx, rows, d, lo, hi, offsets, mode, weights):
+    def forward(ctx, rows, d, lo, hi, offsets, mode, weights, table):
         ctx.save_for_backward(offsets, weights, d.perm, d.starts, d.count)
         ctx.lo, ctx.rows, ctx.mean = lo, rows.shape[0], mode == "mean"
-        return F.embedding_bag(d.inverse[lo:hi], rows, offsets, mode=mode,
-                               per_sample_weights=weights, include_last_offset=True)
+        index, source = (d.inverse[lo:hi], rows) if table is None else (table.ids, table.weight)
+        return F.embedding_bag(index, source, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=True)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         offsets, weights, perm, starts, count = ctx.saved_tensors
         return (ops._bag_segment_sum(grad.contiguous(), offsets, weights, ctx.mean, perm, starts,
-                                     count, ctx.lo, ctx.rows), None, None, None, None, None, None)
+                                     count, ctx.lo, ctx.rows),
+                None, None, None, None, None, None, None)
 
 
 def pool(rows: Tensor, index: Tensor, lo: int, hi: int, offsets: Tensor, mode: str,
-         weights: Optional[Tensor] = None, d: Optional[Distinct] = None) -> Tensor:
+         weights: Optional[Tensor] = None, d: Optional[Distinct] = None,
+         table: Optional[TableRows] = None) -> Tensor:
     """Bags of ``rows[index[lo:hi]]`` pooled (``mode`` "sum" or "mean"; ``offsets``: each
     bag's first position from lo, then hi - lo; ``weights``: per-sample weights of a sum), as
     torch's ``embedding_bag``. With `d`, the staged step whose ``inverse`` `index` is, the
     backward on the CPU reads the step's sort (``_Pool``); without it, on a GPU, and where the
-    weights take a gradient too, torch's own backward runs."""
-    if (d is not None and rows.requires_grad and rows.device.type == "cpu"
-            and (weights is None or not weights.requires_grad)):
-        return _Pool.apply(rows, d, lo, hi, offsets, mode, weights)
-    return F.embedding_bag(index[lo:hi], rows, offsets, mode=mode, per_sample_weights=weights,
-                           include_last_offset=True)
+    weights take a gradient too, torch's own backward runs. With `table` (rows that were not
+    staged: `rows` hold only their gradient) the bags read the table's rows."""
+    weighs = weights is not None and weights.requires_grad
+    if d is not None and rows.requires_grad and rows.device.type == "cpu" and not weighs:
+        return _Pool.apply(rows, d, lo, hi, offsets, mode, weights, table)
+    if table is None:
+        return F.embedding_bag(index[lo:hi], rows, offsets, mode=mode,
+                               per_sample_weights=weights, include_last_offset=True)
+    if rows.requires_grad:  # the staged rows hold no values to differentiate
+        raise RuntimeError("pool: the rows were not staged (stage's pool_only), so per-sample "
+                           "weights that take a gradient cannot be pooled")
+    return F.embedding_bag(table.ids, table.weight, offsets, mode=mode,
+                           per_sample_weights=weights, include_last_offset=True)

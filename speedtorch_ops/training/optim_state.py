@@ -83,6 +83,17 @@ class RowLayout:
         """`name`'s view of a staged buffer (1, n, record)."""
         return self.of_record(buf[0], name)
 
+    def weight_rows(self, table: Tensor) -> Optional[tuple]:
+        """(`table` (rows, 1, record) as rows of weights, k: row r's weight is row k * r) where
+        each record is k whole weight rows with the weight first, so torch's ``embedding_bag``
+        reads the table in place (a strided view it would copy whole); else None."""
+        weight = self.fields["weight"]
+        row = weight.dtype.itemsize * self.dim
+        if weight.offset or self.width % row or not table.is_contiguous():
+            return None
+        k = self.width // row
+        return table.view(-1).view(weight.dtype).view(table.shape[0] * k, self.dim), k
+
     def offsets(self, keys) -> list:
         """The byte offsets of `keys`' fields in a record."""
         return [self.fields[key].offset for key in keys]
