@@ -26,12 +26,7 @@ import time
 import torch
 
 import speedtorch_ops as so
-
-
-def power_law(cap, n, gen):
-    x = torch.rand(n, generator=gen, dtype=torch.float64)
-    g = 1 - 1.05
-    return ((x * (cap ** g - 1) + 1) ** (1 / g)).to(torch.int64).clamp_(1, cap - 1)
+from bdet import power_law
 
 
 def main():
@@ -51,7 +46,7 @@ def main():
     p.add_argument("--plot")
     a = p.parse_args()
     dev = torch.device(a.device)
-    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     keys = [f"t{k}" for k in range(a.tables)]
     row_bytes = 3 * a.dim * 4
     cache = int((a.cache_gib or a.tables * a.cap * row_bytes * 1.05 / 2**30) * 2**30)
@@ -61,7 +56,7 @@ def main():
         bounds_check="prechecked")
     lengths = torch.ones(a.tables * a.ids_per_table, dtype=torch.int64)
     host = [so.KeyedJaggedTensor.from_lengths_sync(
-        keys, torch.cat([power_law(a.cap, a.ids_per_table, gen) for _ in keys]),
+        keys, torch.cat([power_law(1, a.cap, 1.05, a.ids_per_table, "cpu") for _ in keys]),
         lengths) for _ in range(a.batches)]
     if dev.type == "cuda":
         host = [kjt.pin_memory() for kjt in host]

@@ -130,6 +130,12 @@ class _Piece(NamedTuple):
     table: int
 
 
+def _capturing(coll) -> bool:
+    """Whether a CUDA graph capture is on for collection `coll`'s device (a capture holds no
+    host buffer's copy, so prepared batches wait)."""
+    return coll.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _on(flat: Tensor, device: torch.device) -> Tensor:
     """A group's host ids on `device` (queued: they sit in pinned memory)."""
     return flat.to(device, non_blocking=True) if flat.device != device else flat
@@ -166,8 +172,7 @@ class _Ahead:
     def settle(self, coll) -> None:
         """In a step(), its update queued: the newest preparation, if done, sent to the
         device and its rows' prefetch started (an error waits for the batch's own forward)."""
-        if not self.named or (coll.device.type == "cuda"
-                              and torch.cuda.is_current_stream_capturing()):
+        if not self.named or _capturing(coll):
             return
         last = self.named[-1]
         work = last.work
@@ -180,8 +185,7 @@ class _Ahead:
         """The ``Prepared`` on the device of `features` if it was named (its error raised
         here; it and the batches named before it are then forgotten), else None."""
         at = next((k for k, n in enumerate(self.named) if n.batch is features), None)
-        if at is None or (coll.device.type == "cuda"
-                          and torch.cuda.is_current_stream_capturing()):
+        if at is None or _capturing(coll):
             return None
         work = self.named[at].work
         del self.named[:at + 1]
@@ -538,7 +542,7 @@ class HostEmbeddingBagCollection(CollectionTables, CheckpointNames, nn.Module):
             for group in self.groups:
                 group.step()
         except BaseException:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if _capturing(self):
                 for group in self.groups:
                     group.discard()
             raise

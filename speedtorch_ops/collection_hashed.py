@@ -187,23 +187,22 @@ def load_increment(coll, inc: dict) -> None:
         if why is not None:
             errors.append(why)
             continue
-        parts[k] = row_keys
+        parts[k] = (row_keys, whole)
     if errors:
         raise RuntimeError("load_increment: " + "; ".join(errors) + ". Nothing was written.")
     coll.load_state_dict({n: v for n, v in inc.items() if n not in own}, strict=False)
-    for k, row_keys in parts.items():
-        _apply(coll, k, inc, row_keys)
+    for k, (row_keys, whole) in parts.items():
+        _apply(coll, k, inc, row_keys, whole)
 
 
-def _apply(coll, k: int, inc: dict, row_keys: list) -> None:
+def _apply(coll, k: int, inc: dict, row_keys: list, whole: dict) -> None:
+    """Table `k`'s part of `inc` written: `whole`, views of its group's host table."""
     rows, name = coll.hashed[k], coll.tables[k].name
     rows.sync()  # a GPU's last commit may still write the rows
     at = rows.upsert(inc[f"{name}.ids"], inc[f"{name}.removed"], inc[f"{name}.count"],
                      inc[f"{name}.last_step"], int(torch.as_tensor(inc[f"{name}.clock"])),
                      int(torch.as_tensor(inc[f"{name}.version"])))
     where = torch.from_numpy(at + rows.offset)
-    whole: dict = {}
-    save_rows(coll.groups[coll.place(k).group].engine, whole)  # views of the host table
     with torch.no_grad():
         for key in row_keys:
             whole[key].index_copy_(0, where, inc[f"{name}.{key}"].to(whole[key].dtype))

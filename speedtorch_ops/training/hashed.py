@@ -356,14 +356,20 @@ class HashedRows:
         self.mark, self.removed = self.version, []
         return rows[keep], gone
 
+    def _check_ids(self, ids, key: str = "ids", distinct: bool = True) -> Optional[str]:
+        """Why checkpoint entry `key` is not a 1-D int64 tensor (of distinct ids)."""
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
+            return f"{self.name}.{key}: a 1-D int64 tensor, got {_described(ids)}"
+        if distinct and np.unique(ids.numpy()).size != ids.numel():
+            return f"{self.name}.{key}: the ids must be distinct"
+        return None
+
     def check_upsert(self, ids: Tensor, gone: Tensor) -> Optional[str]:
         """Why an increment's `ids` (changed) and `gone` (evicted) cannot apply (None: they
         can): ids distinct int64, and room for the new ones."""
-        for key, value in (("ids", ids), ("removed", gone)):
-            if not isinstance(value, Tensor) or value.dim() != 1 or value.dtype != torch.int64:
-                return f"{self.name}.{key}: a 1-D int64 tensor, got {_described(value)}"
-        if np.unique(ids.numpy()).size != ids.numel():
-            return f"{self.name}.ids: the ids must be distinct"
+        why = self._check_ids(ids) or self._check_ids(gone, "removed", distinct=False)
+        if why is not None:
+            return why
         held_gone = int((self.map.find(gone.numpy()).rows >= 0).sum()) if gone.numel() else 0
         stays = (self.map.find(ids.numpy()).rows >= 0) & ~np.isin(ids.numpy(), gone.numpy())
         new = int((~stays).sum())
@@ -397,13 +403,11 @@ class HashedRows:
 
     def check_load(self, ids: Tensor, count: Tensor, last: Tensor) -> Optional[str]:
         """Why `ids` and their scores cannot load (None: they can)."""
-        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.dtype != torch.int64:
-            return f"{self.name}.ids: a 1-D int64 tensor, got {_described(ids)}"
-        if ids.numel() > self.capacity:
-            return (f"{self.name}.ids: {ids.numel()} ids for a table of capacity "
-                    f"{self.capacity}")
-        if np.unique(ids.numpy()).size != ids.numel():
-            return f"{self.name}.ids: the ids must be distinct"
+        why = self._check_ids(ids)
+        if why is None and ids.numel() > self.capacity:
+            why = f"{self.name}.ids: {ids.numel()} ids for a table of capacity {self.capacity}"
+        if why is not None:
+            return why
         for key, value in (("count", count), ("last_step", last)):
             if not isinstance(value, Tensor) or tuple(value.shape) != tuple(ids.shape):
                 return f"{self.name}.{key}: shape {tuple(ids.shape)}, got {_described(value)}"
